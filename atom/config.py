@@ -1,0 +1,150 @@
+"""One typed engine configuration, frozen and validated at construction.
+
+Field names mirror vLLM's engine arguments so flags and keyword arguments
+carry over unchanged (``max_num_seqs``, ``max_num_batched_tokens``, ...).
+Derived values are properties; nothing here is mutated after construction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:
+    """``auto`` follows the checkpoint's ``torch_dtype``/``dtype``; float16 on CPU becomes float32."""
+    if name == "auto":
+        name = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+        name = name.replace("torch.", "")
+        if name in ("float16", "fp16", "half") and not torch.cuda.is_available():
+            name = "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of auto, float32, bfloat16, float16")
+    return _DTYPES[name]
+
+
+def load_hf_config(model: str) -> dict[str, Any]:
+    """Read ``config.json`` from a checkpoint folder, with errors that name the fix."""
+    if not os.path.isdir(model):
+        raise ValueError(
+            f"model folder {model!r} does not exist; pass a local Hugging Face checkpoint folder "
+            "(config.json + *.safetensors)"
+        )
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{model!r} has no config.json; is it a Hugging Face checkpoint folder?")
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "mtp" | "ngram"
+    num_speculative_tokens: int = 1
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in ("mtp", "ngram"):
+            raise ValueError(f"speculative method {self.method!r} is not supported; use 'mtp' or 'ngram'")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks: int | None = None  # explicit block count wins over the memory budget
+    kv_cache_memory: int | None = None  # bytes for KV blocks + recurrent state slots
+    num_state_slots: int | None = None  # defaults to max_num_seqs (+ speculative slots)
+    seed: int = 0
+    device: str = "cpu"
+    tokenizer: str | None = None
+    speculative_config: SpeculativeConfig | None = None
+    async_scheduling: bool = False  # overlap: plan step N+1 while step N runs
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.hf_config:
+            object.__setattr__(self, "hf_config", load_hf_config(self.model))
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        limit = self.model_max_position
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", min(limit, 4096))
+        elif self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        elif self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's maximum of {limit} positions; "
+                f"pass --max-model-len {limit} or less"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len})"
+            )
+        resolve_dtype(self.dtype, self.hf_config)  # validates the name
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.hf_config)
+
+    @property
+    def model_max_position(self) -> int:
+        cfg = self.hf_config
+        return int(cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 4096)
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{self.model}/config.json names no 'architectures'")
+        return archs[0]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-(self.max_model_len + self.num_speculative_tokens) // self.block_size)
+
+    @property
+    def slots_per_request(self) -> int:
+        """Recurrent-state slots one running request holds: one per verifiable position."""
+        return 1 + self.num_speculative_tokens
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -1,0 +1,102 @@
+"""Per-step metadata that layers read, set for exactly one forward pass.
+
+Layer signatures stay ``forward(positions, hidden_states)``; anything about the
+batch (where each sequence's tokens sit in the flat batch, where their KV goes,
+which recurrent-state slot they own) comes from ``get_forward_context()``.
+
+Flat batch layout for one step with three sequences::
+
+    tokens:          | a a a a | b | c c |        (T = 7 new tokens)
+    query_start_loc:  0         4   5     7
+    context_lens:     [12, 30, 0]   tokens already in the cache (num_computed_tokens)
+    seq_lens:         [16, 31, 2]   context + new
+
+A sequence with context_len == 0 starts from an empty recurrent state: layers
+zero its slot before use, so a freed slot's stale contents never leak.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: list[int]  # [B + 1] host offsets into the flat batch
+    context_lens: list[int]  # [B]
+    seq_lens: list[int]  # [B]
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    state_slots: torch.Tensor  # [B] int64 recurrent-state slot per sequence (-1: none)
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def query_lens(self) -> list[int]:
+        q = self.query_start_loc
+        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    # layer index -> that layer's cache tensors (KV blocks or state pool)
+    caches: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+
+_CONTEXT: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CONTEXT is None:
+        raise RuntimeError("no forward context is set: layers run only inside set_forward_context()")
+    return _CONTEXT
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    state_slots: list[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Flat step metadata from per-sequence counters (the runner's only job here)."""
+    starts = [0]
+    slots: list[int] = []
+    for n, ctx_len, table in zip(query_lens, context_lens, block_tables):
+        starts.append(starts[-1] + n)
+        for pos in range(ctx_len, ctx_len + n):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max((len(t) for t in block_tables), default=0) or 1
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    return AttentionMetadata(
+        query_start_loc=starts,
+        context_lens=list(context_lens),
+        seq_lens=[c + n for c, n in zip(context_lens, query_lens)],
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(block_tables), width),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        state_slots=torch.tensor(state_slots, dtype=torch.long, device=device),
+        block_size=block_size,
+    )
