@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Compiles every csrc/ source to an object file (no link, no torch, no GPU),
+# so machines without a GPU still catch kernel and binding build breaks.
+# Skips (exit 0) where nvcc is absent; fails on any compile error or warning.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+nvcc=$(command -v nvcc || true)
+if [[ -z "$nvcc" && -x /usr/local/cuda/bin/nvcc ]]; then nvcc=/usr/local/cuda/bin/nvcc; fi
+if [[ -z "$nvcc" ]]; then
+  echo "check_cuda_build: no nvcc found; skipped"
+  exit 0
+fi
+python=$(command -v python || command -v python3)
+
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+start=$SECONDS
+for src in csrc/*.cu; do
+  "$nvcc" -c -arch=sm_90 -std=c++17 -O2 -Icsrc -Xcompiler -fPIC,-Wall --Werror all-warnings \
+    "$src" -o "$out/$(basename "$src").o"
+  echo "check_cuda_build: compiled $src (nvcc, sm_90)"
+done
+# bindings.cpp is host-only C++: it needs pybind11's and Python's headers.
+g++ -c -std=c++17 -O2 -fPIC -Wall -Werror -Icsrc $("$python" -m pybind11 --includes) \
+  csrc/bindings.cpp -o "$out/bindings.o"
+echo "check_cuda_build: compiled csrc/bindings.cpp (g++)"
+echo "check_cuda_build: ok in $((SECONDS - start)) s ($("$nvcc" --version | tail -1))"

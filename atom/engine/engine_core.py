@@ -1,0 +1,174 @@
+"""One rank's engine: validate requests, schedule, run a step, turn results into outputs.
+
+``step()`` is schedule -> execute -> update. The front ends (``LLM`` and
+``AsyncEngine``) drive it; ``AsyncEngine`` runs ``execute`` in a worker
+thread so the event loop stays free while a forward runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from atom.config import EngineConfig
+from atom.engine.detokenizer import Detokenizer
+from atom.engine.kv_cache_manager import KVCacheManager
+from atom.engine.request import Request, RequestStatus
+from atom.engine.scheduler import Scheduler
+from atom.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from atom.outputs import CompletionOutput, RequestOutput
+from atom.sampling_params import SamplingParams
+from atom.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None when the folder has no tokenizer files."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(config)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and self.runner.has_recurrent_state:
+            logger.info(
+                "prefix caching is off for %s: its recurrent (KDA) state is not checkpointed at block "
+                "boundaries, so a cached prefix could not resume from a real state",
+                config.architecture,
+            )
+            prefix_caching = False
+        self.kv = KVCacheManager(
+            num_blocks=self.runner.layout.num_blocks,
+            block_size=config.block_size,
+            num_state_groups=self.runner.layout.num_state_groups,
+            slots_per_group=config.slots_per_request,
+            enable_prefix_caching=prefix_caching,
+        )
+        self.scheduler = Scheduler(config, self.kv)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self._counter = 0
+
+    # -- requests --------------------------------------------------------------
+    def make_request(
+        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate a prompt and its params; raise ValueError naming the fix."""
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty; pass at least one token")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}; shorten the prompt "
+                f"or raise max_model_len (it must leave room for at least one output token)"
+            )
+        vocab = self.config.hf_config.get("vocab_size")
+        if vocab is not None and any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got an id outside it")
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        return Request(request_id, token_ids, params, self.config.eos_token_ids, prompt=text)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, (list, tuple)):
+            return None, [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.config.model!r} has no tokenizer files; pass {{'prompt_token_ids': [...]}} instead of text"
+            )
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        self.detokenizer.flush(request)
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_model(sched)
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        changed = self.scheduler.update(sched, result)
+        outputs = []
+        for request in changed:
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            stop = self.detokenizer.update(request)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                self.detokenizer.flush(request)
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.schedule()
+        result = self.execute(sched)
+        return self.update(sched, result)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        new_ids = request.output_token_ids[request.num_sent_tokens :]
+        new_text = request.output_text[request.num_sent_chars :]
+        request.num_sent_tokens = request.num_output_tokens
+        request.num_sent_chars = len(request.output_text)
+        params = request.sampling_params
+        completion = CompletionOutput(
+            index=0,
+            text=request.output_text,
+            token_ids=list(request.output_token_ids),
+            logprobs=list(request.logprobs) if params.logprobs is not None else None,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.is_finished,
+            prompt_logprobs=list(request.prompt_logprobs) if request.wants_prompt_logprobs else None,
+            num_cached_tokens=request.num_cached_tokens,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            metrics=self._request_metrics(request),
+        )
+
+    @staticmethod
+    def _request_metrics(request: Request) -> dict[str, float]:
+        now = time.monotonic()
+        m = {"arrival_time": request.arrival_time, "e2e": now - request.arrival_time}
+        if request.first_token_time is not None:
+            m["ttft"] = request.first_token_time - request.arrival_time
+        return m
+
+    def all_resources_free(self) -> bool:
+        return self.kv.all_free()

@@ -1,0 +1,189 @@
+"""Continuous batching over counters.
+
+Each request has ``num_computed_tokens`` catching up to ``num_tokens``
+(prompt + outputs). A step gives each request some of its uncomputed tokens,
+within a token budget (``max_num_batched_tokens``) and a request cap
+(``max_num_seqs``). Prefill, chunked prefill and decode are the same thing
+seen from here::
+
+    prompt  |p p p p p p p p p p|        chunk budget 4, three steps:
+    step 1   [0..4)   context 0   no sample
+    step 2   [4..8)   context 4   no sample
+    step 3   [8..10)  context 8   sample -> first output token
+    step 4   [10..11) context 10  sample (decode)
+
+Running requests go first (oldest first); waiting ones are admitted while
+budget, blocks and state slots last. When blocks run out, the newest running
+request is preempted: its blocks and slot are freed and it recomputes from
+scratch later (prefix caching makes that cheap for attention-only models).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from atom.config import EngineConfig
+from atom.engine.kv_cache_manager import KVCacheManager
+from atom.engine.request import Request, RequestStatus
+from atom.engine.scheduler_output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._sent_to_runner: set[str] = set()
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0  # total, for metrics and tests
+
+    # -- admission and removal ---------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Abort or stop a request wherever it is; frees its blocks and slots at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self._finished_since_last_step.add(request_id)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- planning --------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            n = self._num_new_tokens(request, budget)
+            if n <= 0:
+                continue
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            self._emit(request, n, out)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks, num_cached = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - num_cached
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_state(request):
+                break
+            if self.kv.allocate_slots(request, n, cached_blocks) is None:
+                self.kv.free(request)
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = max(request.num_cached_tokens, num_cached)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._emit(request, n, out)
+            budget -= n
+
+    def _emit(self, request: Request, n: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        if request.request_id not in self._sent_to_runner:
+            self._sent_to_runner.add(request.request_id)
+            out.new_requests.append(
+                NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+            )
+        tokens = request.all_token_ids[start : start + n]
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=tokens,
+                context_len=start,
+                block_ids=list(request.block_ids),
+                state_slot=-1 if request.state_slot is None else request.state_slot,
+                sample=start + n == request.num_tokens,
+                prompt_logprobs=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
+            )
+        )
+        request.num_computed_tokens += n
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.add(request.request_id)
+
+    # -- results ---------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Append sampled tokens and apply token-level stops; the requests that changed."""
+        changed = []
+        for s in sched.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if s.request_id in result.prompt_logprobs:
+                request.prompt_logprobs.extend(result.prompt_logprobs[s.request_id])
+            self.kv.cache_full_blocks(request)
+            token = result.sampled.get(s.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            if s.request_id in result.logprobs:
+                request.logprobs.append(result.logprobs[s.request_id])
+            changed.append(request)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        for request in self.waiting:
+            if request.status == RequestStatus.PREEMPTED:
+                request.status = RequestStatus.WAITING
+        return changed
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,56 @@
+"""Plain data passed between the scheduler and the model runner.
+
+The runner never sees a ``Request``: it gets copies of what one step needs,
+and answers with sampled tokens and logprobs keyed by request id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from atom.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent the first time a request is scheduled; the runner keeps it until the request finishes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    context_len: int  # tokens already in the cache (num_computed_tokens before this step)
+    block_ids: list[int]  # the request's whole block table
+    state_slot: int  # first slot of its recurrent-state group, -1 if the model has none
+    sample: bool  # this step reaches the end of the known tokens: sample the next one
+    prompt_logprobs: bool = False  # return logprobs for the prompt positions in this chunk
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # runner may drop their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    # request id -> sampled token (only for requests scheduled with sample=True)
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> logprobs of the prompt positions covered this step (entry per token, None for position 0)
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)

@@ -1,0 +1,79 @@
+"""Offline, synchronous API shaped like vLLM's ``LLM``: switch by changing an import."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from atom.config import EngineConfig, SpeculativeConfig
+from atom.engine.engine_core import EngineCore
+from atom.outputs import RequestOutput
+from atom.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        spec = kwargs.pop("speculative_config", None)
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig(**spec)
+        self.config = EngineConfig(model=model, speculative_config=spec, **kwargs)
+        self.engine = EngineCore(self.config)
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order.
+
+        Every prompt is validated before any is queued, so a bad one raises
+        ValueError and leaves the engine exactly as it was.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        requests = []
+        for prompt, p in zip(prompts, params):
+            requests.append(self.engine.make_request(prompt, p, request_id=str(self._next_id + len(requests))))
+        self._next_id += len(requests)
+        for request in requests:
+            self.engine.add_request(request)
+        return self._run(requests, use_tqdm and sys.stderr.isatty() and len(requests) > 1)
+
+    @staticmethod
+    def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {n} prompts but {len(params)} sampling params; pass one or one per prompt")
+        return params
+
+    def _run(self, requests, show_progress: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not show_progress)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request in requests:  # leave the engine usable after an interrupt
+                self.engine.abort_request(request.request_id)
+            raise
+        finally:
+            bar.close()
+        return [final[r.request_id] for r in requests]

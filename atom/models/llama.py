@@ -1,0 +1,160 @@
+"""Llama and Qwen3 decoder-only models over a paged KV cache.
+
+Parameter names equal the tensor names transformers' ``save_pretrained`` writes
+(``model.layers.N.self_attn.q_proj.weight``, ...), so checkpoints load 1:1.
+Qwen3 is Llama plus a per-head RMSNorm on q and k (over head_dim, before rope).
+The forward pass runs on a flat batch: all sequences' new tokens of one step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.layers.attention import Attention
+from atom.layers.cache_spec import PagedKVSpec
+from atom.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class _RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale by the weight."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool, dtype):
+        super().__init__()
+        hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_dim = head_dim = _head_dim(cfg)
+        bias = bool(cfg.get("attention_bias", False))
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias, dtype=dtype)
+        if qk_norm:
+            self.q_norm = _RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
+            self.k_norm = _RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
+        self.qk_norm = qk_norm
+        self.rotary_emb = rotary  # shared by all layers
+        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = (hidden_states.shape[0], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        v = self.v_proj(hidden_states).view(shape)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool, dtype):
+        super().__init__()
+        eps = cfg["rms_norm_eps"]
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm, dtype)
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], mlp_bias, dtype)
+        self.input_layernorm = _RMSNorm(cfg["hidden_size"], eps, dtype)
+        self.post_attention_layernorm = _RMSNorm(cfg["hidden_size"], eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Same op order as HF (residual adds in the model dtype) so bf16 matches too.
+        h = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], qk_norm: bool, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"], dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(_head_dim(cfg), rope_parameters(cfg))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.rotary_emb, qk_norm, dtype) for i in range(cfg["num_hidden_layers"])
+        )
+        self.norm = _RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+def _check_supported(cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r} is not supported; ATOM's Llama MLP implements 'silu' only")
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or ()):
+        raise ValueError("sliding-window attention layers are not supported; set use_sliding_window=false")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; see the module docstring for the batch layout."""
+
+    qk_norm = False
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype):
+        super().__init__()
+        _check_supported(hf_config)
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, self.qk_norm, dtype)
+        self.lm_head = nn.Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def cache_specs(self) -> dict[int, PagedKVSpec]:
+        return {i: layer.self_attn.attn.kv_cache_spec(self.dtype) for i, layer in enumerate(self.model.layers)}
+
+    def hf_name_map(self, name: str) -> str | None:
+        # Older checkpoints may carry the (recomputed) rotary inverse frequencies.
+        return None if name.endswith("rotary_emb.inv_freq") else name
+
+    def tie_weights(self) -> set[str]:
+        if not self.hf_config.get("tie_word_embeddings", False):
+            return set()
+        self.lm_head.weight = self.model.embed_tokens.weight
+        return {"lm_head.weight"}
+
+    def post_load(self) -> None:
+        self.model.rotary_emb.post_load()
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense: Llama with q_norm/k_norm per head and an explicit head_dim."""
+
+    qk_norm = True

@@ -1,0 +1,70 @@
+"""Paged KV cache write and causal GQA attention over it (torch reference).
+
+Cache layout, per layer: K and V each [num_blocks, block_size, num_kv_heads, head_dim].
+A token's flat slot is ``block_id * block_size + offset``; sequence i's blocks are
+listed in ``block_tables[i]``.
+
+One sequence in a step (chunked prefill or decode)::
+
+    positions:  0 ............ ctx-1 | ctx ........ seq_len-1
+                already in the cache | new tokens (query_len = seq_len - ctx)
+
+New token j sits at position ctx + j and attends to positions 0 .. ctx + j,
+read back from the cache after this step's K/V were written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom.forward_context import AttentionMetadata
+
+
+def write_kv_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new tokens' k, v [T, num_kv_heads, head_dim] into their slots."""
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first seq_len tokens from the cache -> [seq_len, num_kv_heads, head_dim]."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+def _causal_mask(context_len: int, query_len: int, seq_len: int, device) -> torch.Tensor:
+    q_pos = torch.arange(context_len, context_len + query_len, device=device)
+    k_pos = torch.arange(seq_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]  # [query_len, seq_len], True = attend
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim], one sequence at a time."""
+    out = torch.empty_like(q)
+    starts = metadata.query_start_loc
+    for i, (ctx_len, seq_len) in enumerate(zip(metadata.context_lens, metadata.seq_lens)):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        table = metadata.block_tables[i]
+        k = _gather_seq(k_cache, table, seq_len).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+        v = _gather_seq(v_cache, table, seq_len).transpose(0, 1).to(q.dtype)
+        mask = _causal_mask(ctx_len, end - start, seq_len, q.device)
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start:end] = attn.transpose(0, 1)
+    return out

@@ -1,0 +1,70 @@
+"""Size the KV block pool and the state-slot pool from a memory budget.
+
+The state pool is reserved first (one group of 1 + k slots per request the
+scheduler may run at once); the rest of the budget becomes KV blocks. Start-up
+fails, naming the flag to change, if one max-length request cannot fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from atom.config import EngineConfig
+from atom.layers.cache_spec import CacheSpec, RecurrentStateSpec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when neither a budget nor a block count is given
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    num_blocks: int
+    num_state_groups: int
+    bytes_per_block: int
+    bytes_per_state_group: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.num_state_groups * self.bytes_per_state_group
+
+
+def plan_cache(config: EngineConfig, specs: dict[int, CacheSpec]) -> CacheLayout:
+    recurrent = [s for s in specs.values() if isinstance(s, RecurrentStateSpec)]
+    paged = [s for s in specs.values() if not isinstance(s, RecurrentStateSpec)]
+    per_block = sum(s.bytes_per_block(config.block_size) for s in paged)
+    per_group = sum(s.bytes_per_slot() for s in recurrent) * config.slots_per_request
+    groups = (config.num_state_slots or config.max_num_seqs) if recurrent else 0
+    if config.num_gpu_blocks is not None:
+        blocks = config.num_gpu_blocks
+    else:
+        budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        left = budget - groups * per_group
+        if recurrent and left < 0:
+            groups = budget // per_group if per_group else groups
+            left = budget - groups * per_group
+        blocks = left // per_block if per_block else 1
+    layout = CacheLayout(int(blocks), int(groups), per_block, per_group)
+    _check_fits(config, layout, bool(paged), bool(recurrent))
+    logger.info(
+        "cache: %d blocks of %d tokens, %d state groups, %.1f MiB",
+        layout.num_blocks, config.block_size, layout.num_state_groups, layout.total_bytes / 2**20,
+    )
+    return layout
+
+
+def _check_fits(config: EngineConfig, layout: CacheLayout, paged: bool, recurrent: bool) -> None:
+    need_blocks = config.max_blocks_per_seq
+    if paged and layout.num_blocks < need_blocks:
+        need = need_blocks * layout.bytes_per_block + (layout.bytes_per_state_group if recurrent else 0)
+        raise ValueError(
+            f"the KV cache holds {layout.num_blocks} blocks but one request of max_model_len="
+            f"{config.max_model_len} needs {need_blocks}; raise --kv-cache-memory to at least "
+            f"{need} bytes (or --num-gpu-blocks to {need_blocks}), or lower --max-model-len"
+        )
+    if recurrent and layout.num_state_groups < 1:
+        raise ValueError(
+            f"no room for one recurrent-state slot group ({layout.bytes_per_state_group} bytes); "
+            "raise --kv-cache-memory"
+        )

@@ -1,0 +1,139 @@
+"""SchedulerOutput -> flat batch tensors -> model -> sampled tokens.
+
+The runner owns the device side: the model, the cache tensors, each live
+request's sampling state (params, seeded generator, tokens for penalties).
+It never decides policy and never touches scheduler objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from atom.config import EngineConfig
+from atom.engine.scheduler_output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context
+from atom.layers.cache_spec import RecurrentStateSpec
+from atom.models.loader import load_model
+from atom.sampling_params import SamplingParams
+from atom.worker.cache_memory import CacheLayout, plan_cache
+from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+
+
+@dataclass
+class CachedRequestState:
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model = model if model is not None else load_model(config)
+        self.cache_specs = self.model.cache_specs()
+        self.layout: CacheLayout = plan_cache(config, self.cache_specs)
+        self.caches = self._allocate_caches()
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return any(isinstance(s, RecurrentStateSpec) for s in self.cache_specs.values())
+
+    def _allocate_caches(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        num_slots = self.layout.num_state_groups * self.config.slots_per_request
+        caches = {}
+        for layer, spec in self.cache_specs.items():
+            if isinstance(spec, RecurrentStateSpec):
+                caches[layer] = spec.allocate(num_slots, self.device)
+            else:
+                caches[layer] = spec.allocate(self.layout.num_blocks, self.config.block_size, self.device)
+        return caches
+
+    # -- per-request state ---------------------------------------------------------
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+
+    def _new_state(self, new: NewRequestData) -> CachedRequestState:
+        seed = new.sampling_params.seed
+        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+        return CachedRequestState(new.prompt_token_ids, new.sampling_params, gen)
+
+    # -- one step ----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput()
+        rows = sched.scheduled
+        input_ids, positions = self._flat_inputs(rows)
+        meta = build_attention_metadata(
+            query_lens=[len(s.token_ids) for s in rows],
+            context_lens=[s.context_len for s in rows],
+            block_tables=[s.block_ids for s in rows],
+            state_slots=[s.state_slot for s in rows],
+            block_size=self.config.block_size,
+            device=self.device,
+        )
+        with set_forward_context(ForwardContext(meta, self.caches)):
+            hidden = self.model(input_ids, positions)
+        out = RunnerOutput()
+        self._prompt_logprobs(rows, meta.query_start_loc, hidden, input_ids, out)
+        self._sample(rows, meta.query_start_loc, hidden, out)
+        return out
+
+    def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        pos: list[int] = []
+        for s in rows:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.context_len, s.context_len + len(s.token_ids)))
+        return (
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(pos, dtype=torch.long, device=self.device),
+        )
+
+    def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
+        picked = [(i, s) for i, s in enumerate(rows) if s.sample]
+        if not picked:
+            return
+        last = torch.tensor([starts[i + 1] - 1 for i, _ in picked], device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        states = [self.requests[s.request_id] for _, s in picked]
+        batch = SamplingBatch.from_params(
+            [st.sampling_params for st in states],
+            [st.generator for st in states],
+            [st.prompt_token_ids for st in states],
+            [st.output_token_ids for st in states],
+            device=self.device,
+        )
+        result = self.sampler(logits, batch)
+        tokens = result.sampled_token_ids.tolist()
+        for (_, s), st, token, lp in zip(picked, states, tokens, result.logprobs):
+            st.output_token_ids.append(token)
+            out.sampled[s.request_id] = token
+            if lp is not None:
+                out.logprobs[s.request_id] = lp
+
+    def _prompt_logprobs(self, rows, starts, hidden, input_ids, out: RunnerOutput) -> None:
+        """Logprob of prompt token p+1 from the logits at p, for the prompt positions in this chunk."""
+        for i, s in enumerate(rows):
+            if not s.prompt_logprobs:
+                continue
+            st = self.requests[s.request_id]
+            prompt = st.prompt_token_ids
+            first, n = s.context_len, len(s.token_ids)
+            end = min(first + n, len(prompt) - 1)  # positions whose next token is a prompt token
+            entries: list[dict[int, float] | None] = [None] if first == 0 else []
+            if end > first:
+                logits = self.model.compute_logits(hidden[starts[i] : starts[i] + end - first])
+                targets = torch.tensor(prompt[first + 1 : end + 1], device=self.device)
+                entries.extend(compute_prompt_logprobs(logits, targets, st.sampling_params.prompt_logprobs))
+            out.prompt_logprobs[s.request_id] = entries

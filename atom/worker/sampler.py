@@ -1,0 +1,214 @@
+"""Batched sampler: one logits row per request, each with its own parameters.
+
+Pipeline per step (rows are independent throughout):
+
+    raw logits ──► penalties ──┬─ greedy rows ─────────────────────────► argmax
+                               └─ /temperature ► top-k ► top-p ► min-p ► sample
+
+Logprobs are reported from the *raw* logits (vLLM's default "raw_logprobs").
+
+Invariant: a seeded request draws only from its own generator, one Exp(1)
+vector of vocabulary size per step, so its tokens do not depend on which other
+requests share the batch. Unseeded requests share the default generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from atom.sampling_params import SamplingParams
+
+# Smallest Exp(1) draw we divide by; avoids 0/0 for filtered-out tokens.
+_MIN_EXP_DRAW = 1e-10
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling metadata, built by the model runner from request params."""
+
+    temperature: Tensor  # [B] float32; 0 = greedy
+    top_p: Tensor  # [B] float32; 1 = off
+    top_k: Tensor  # [B] int64; 0 = off
+    min_p: Tensor  # [B] float32; 0 = off
+    presence_penalty: Tensor  # [B] float32
+    frequency_penalty: Tensor  # [B] float32
+    repetition_penalty: Tensor  # [B] float32
+    generators: list[torch.Generator | None]  # None: default generator
+    prompt_token_ids: list[list[int]]  # repetition penalty only
+    output_token_ids: list[list[int]]  # all penalties
+    num_logprobs: list[int | None]
+    # Host-side summaries so fast-path checks never sync with the device.
+    # The defaults take the slow path, which is always correct.
+    all_greedy: bool = False
+    any_penalties: bool = True
+
+    @staticmethod
+    def from_params(
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        def column(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        f32 = torch.float32
+        return SamplingBatch(
+            temperature=column([p.temperature for p in params], f32),
+            top_p=column([p.top_p for p in params], f32),
+            top_k=column([max(p.top_k, 0) for p in params], torch.int64),
+            min_p=column([p.min_p for p in params], f32),
+            presence_penalty=column([p.presence_penalty for p in params], f32),
+            frequency_penalty=column([p.frequency_penalty for p in params], f32),
+            repetition_penalty=column([p.repetition_penalty for p in params], f32),
+            generators=list(generators),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(p.greedy for p in params),
+            any_penalties=any(_has_penalties(p) for p in params),
+        )
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor  # [B] int64
+    # Per request: top-n raw logprobs plus the sampled token's; None if not requested.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw_logits = logits
+        if batch.any_penalties:
+            logits = apply_penalties(logits, batch)
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            sampled = greedy_ids
+        else:
+            is_greedy = (batch.temperature == 0) | (batch.top_k == 1)
+            sampled = torch.where(is_greedy, greedy_ids, _sample(logits, batch))
+        return SamplerOutput(sampled, _sampled_logprobs(raw_logits, sampled, batch.num_logprobs))
+
+
+def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Random sampling for every row; greedy rows' results are discarded by the caller."""
+    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    probs = apply_min_p(probs, batch.min_p)
+    return _exponential_race(probs, batch.generators)
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(batch.output_token_ids, vocab_size, logits.device)
+    prompt_counts = _token_counts(batch.prompt_token_ids, vocab_size, logits.device)
+    seen = (output_counts + prompt_counts) > 0
+
+    rep = batch.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
+    logits = logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] float32 occurrence counts; rows are padded with an out-of-vocab id that is dropped."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device).view(len(token_ids), max_len)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus.
+
+    Top-p keeps the smallest prefix (by descending probability) whose cumulative
+    probability reaches top_p; the top token is always kept.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+
+    k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size)).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    p = top_p.unsqueeze(1)
+    # top_p == 1 skips the test so float rounding in the cumsum never drops the tail.
+    outside_nucleus = (mass_before >= p) & (p < 1)
+    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability."""
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _exponential_race(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """argmax(probs / q), q ~ Exp(1), samples from probs (unnormalised is fine).
+
+    Seeded rows redraw q from their own generator so their result ignores the batch.
+    """
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            q[row].exponential_(generator=generator)
+    return (probs / q.clamp_min(_MIN_EXP_DRAW)).argmax(dim=-1)
+
+
+def _sampled_logprobs(
+    raw_logits: Tensor, sampled: Tensor, num_logprobs: list[int | None]
+) -> list[dict[int, float] | None]:
+    requested = [n for n in num_logprobs if n is not None]
+    if not requested:
+        return [None] * len(num_logprobs)
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    dicts = _trim(_top_logprobs(logprobs, sampled, max(requested)), num_logprobs)
+    return [d if n is not None else None for d, n in zip(dicts, num_logprobs)]
+
+
+def _top_logprobs(logprobs: Tensor, token_ids: Tensor, num: int) -> list[list[tuple[int, float]]]:
+    """Per row: (token, logprob) for the given token first, then the top-num tokens."""
+    chosen = logprobs.gather(1, token_ids.view(-1, 1).long())
+    top_values, top_ids = logprobs.topk(min(num, logprobs.shape[1]), dim=-1)
+    ids = torch.cat([token_ids.view(-1, 1).long(), top_ids], dim=1).tolist()
+    values = torch.cat([chosen, top_values], dim=1).tolist()
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids, values)]
+
+
+def _trim(rows: list[list[tuple[int, float]]], nums: list[int | None]) -> list[dict[int, float]]:
+    """Keep the first entry (the sampled/next token) and the top-n entries after it."""
+    return [_as_dict(row[0], row[1 : 1 + (n or 0)]) for row, n in zip(rows, nums)]
+
+
+def _as_dict(token: tuple[int, float], top: list[tuple[int, float]]) -> dict[int, float]:
+    out = dict(top)
+    out.setdefault(token[0], token[1])
+    return out
+
+
+def compute_prompt_logprobs(logits: Tensor, next_token_ids: Tensor, num: int) -> list[dict[int, float]]:
+    """Entry i: raw logprob of next_token_ids[i] under logits[i], plus the top-num tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    rows = _top_logprobs(logprobs, next_token_ids, num)
+    return _trim(rows, [num] * len(rows))

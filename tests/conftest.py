@@ -1,0 +1,44 @@
+"""Shared fixtures: small checkpoints built once per session, and the leak check.
+
+Every engine a test creates through ``make_llm`` is checked after the test:
+when no request is alive, every KV block and state slot must be free.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import checkpoints
+
+
+@pytest.fixture(scope="session")
+def kimi_ckpt(tmp_path_factory) -> str:
+    return checkpoints.make_kimi_checkpoint(str(tmp_path_factory.mktemp("kimi")), "kda_mla")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory) -> str:
+    return checkpoints.make_llama_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory) -> str:
+    return checkpoints.make_llama_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
+
+
+@pytest.fixture
+def make_llm():
+    from atom import LLM
+
+    made = []
+
+    def factory(model: str, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        llm = LLM(model, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        assert not llm.engine.has_unfinished_requests(), "a request is still alive after the test"
+        assert llm.engine.all_resources_free(), "KV blocks or state slots leaked"

@@ -1,0 +1,80 @@
+"""Greedy output must not change with how the same requests are run."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom import SamplingParams
+
+PROMPTS = [list(range(3, 3 + n)) for n in (4, 19, 9, 33, 1, 12)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(params=["kimi", "llama"])
+def ckpt(request, kimi_ckpt, llama_ckpt):
+    return kimi_ckpt if request.param == "kimi" else llama_ckpt
+
+
+def _inputs():
+    return [{"prompt_token_ids": p} for p in PROMPTS]
+
+
+def test_batch_equals_one_at_a_time(ckpt, make_llm):
+    llm = make_llm(ckpt)
+    batched = _tokens(llm.generate(_inputs(), GREEDY))
+    single = [_tokens(llm.generate([p], GREEDY))[0] for p in _inputs()]
+    assert batched == single
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_equals_unchunked(ckpt, budget, make_llm):
+    reference = _tokens(make_llm(ckpt, max_num_batched_tokens=4096).generate(_inputs(), GREEDY))
+    chunked = _tokens(make_llm(ckpt, max_num_batched_tokens=budget).generate(_inputs(), GREEDY))
+    assert chunked == reference
+
+
+def test_preemption_equals_no_preemption(ckpt, make_llm):
+    reference = _tokens(make_llm(ckpt).generate(_inputs(), GREEDY))
+    # 16 blocks of 4 tokens: one request of max_model_len 64 fits, six at once (~200 tokens) do not.
+    llm = make_llm(ckpt, block_size=4, num_gpu_blocks=16, max_model_len=64)
+    outs = llm.generate(_inputs(), GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(outs) == reference
+
+
+def test_few_state_slots_equals_many(kimi_ckpt, make_llm):
+    reference = _tokens(make_llm(kimi_ckpt).generate(_inputs(), GREEDY))
+    assert _tokens(make_llm(kimi_ckpt, num_state_slots=2).generate(_inputs(), GREEDY)) == reference
+
+
+def test_prefix_cache_hit_equals_miss(llama_ckpt, make_llm):
+    shared = list(range(40, 80))
+    prompts = [{"prompt_token_ids": shared + [i, i + 1]} for i in (3, 5, 7)]
+    miss = _tokens(make_llm(llama_ckpt, enable_prefix_caching=False).generate(prompts, GREEDY))
+    llm = make_llm(llama_ckpt, enable_prefix_caching=True, block_size=8)
+    first = llm.generate(prompts[:1], GREEDY)
+    hits = llm.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens >= 40 for o in hits)
+    assert _tokens(first) == miss[:1]
+    assert _tokens(hits) == miss
+
+
+def test_hybrid_model_keeps_prefix_caching_off(kimi_ckpt, make_llm):
+    llm = make_llm(kimi_ckpt, enable_prefix_caching=True)
+    assert not llm.engine.kv.enable_prefix_caching
+    llm.generate([PROMPTS[3], PROMPTS[3]], GREEDY)
+
+
+def test_seeded_sampling_is_independent_of_batch(ckpt, make_llm):
+    llm = make_llm(ckpt)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    alone = _tokens(llm.generate([{"prompt_token_ids": PROMPTS[1]}], seeded))[0]
+    mixed = llm.generate(_inputs(), [other, seeded, other, other, other, other])
+    assert mixed[1].outputs[0].token_ids == alone
+    again = llm.generate(_inputs()[::-1], [other, other, other, other, seeded, other])
+    assert again[4].outputs[0].token_ids == alone

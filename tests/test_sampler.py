@@ -1,0 +1,249 @@
+import math
+
+import pytest
+import torch
+
+from atom.sampling_params import SamplingParams
+from atom.worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    compute_prompt_logprobs,
+)
+
+
+def make_batch(params, generators=None, prompts=None, outputs=None):
+    n = len(params)
+    return SamplingBatch.from_params(
+        params,
+        generators if generators is not None else [None] * n,
+        prompts if prompts is not None else [[] for _ in range(n)],
+        outputs if outputs is not None else [[] for _ in range(n)],
+    )
+
+
+def seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- params
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"n": 2},
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"min_p": -0.1},
+        {"min_p": 1.1},
+        {"max_tokens": 0},
+        {"min_tokens": -1},
+        {"min_tokens": 5, "max_tokens": 4},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -2.5},
+        {"repetition_penalty": 0.0},
+        {"logprobs": -1},
+        {"prompt_logprobs": -1},
+    ],
+)
+def test_invalid_params_raise(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_n_error_names_the_field():
+    with pytest.raises(ValueError, match="n=1"):
+        SamplingParams(n=3)
+
+
+def test_params_normalisation_and_greedy():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
+    assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(top_k=-1).top_k == -1
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(top_k=1).greedy
+    assert not SamplingParams().greedy
+
+
+# ---------------------------------------------------------------- filtering
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(6, 50, generator=seeded(0))
+    out = Sampler()(logits, make_batch([SamplingParams(temperature=0)] * 6))
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    assert out.logprobs == [None] * 6
+
+
+def test_top_k_one_equals_greedy_in_mixed_batch():
+    logits = torch.randn(4, 50, generator=seeded(1))
+    params = [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_k=1, temperature=2.0),
+              SamplingParams(temperature=0)]
+    batch = make_batch(params)
+    assert not batch.all_greedy
+    out = Sampler()(logits, batch)
+    for row in (0, 2, 3):
+        assert out.sampled_token_ids[row] == logits[row].argmax()
+
+
+def test_tiny_top_p_keeps_only_the_max():
+    logits = torch.randn(8, 100, generator=seeded(2))
+    batch = make_batch([SamplingParams(top_p=1e-6, temperature=1.5)] * 8)
+    for _ in range(20):
+        assert torch.equal(Sampler()(logits, batch).sampled_token_ids, logits.argmax(-1))
+
+
+def test_top_k_restricts_to_k_largest():
+    logits = torch.randn(1, 30, generator=seeded(3))
+    allowed = set(logits[0].topk(3).indices.tolist())
+    batch = make_batch([SamplingParams(top_k=3, temperature=5.0)] * 64)
+    tokens = Sampler()(logits.expand(64, -1), batch).sampled_token_ids.tolist()
+    assert set(tokens) <= allowed and len(set(tokens)) > 1
+
+
+def test_min_p_filters_low_probability_tokens():
+    # probs ~ [0.5, 0.3, 0.15, 0.05]; min_p=0.35 -> threshold 0.175 keeps tokens 0 and 1.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(400, -1)
+    batch = make_batch([SamplingParams(min_p=0.35)] * 400)
+    tokens = set(Sampler()(logits, batch).sampled_token_ids.tolist())
+    assert tokens == {0, 1}
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    # probs [0.5, 0.3, 0.15, 0.05]; top_p=0.8 -> {0, 1} (0.5 + 0.3 reaches 0.8).
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(400, -1)
+    batch = make_batch([SamplingParams(top_p=0.8)] * 400)
+    assert set(Sampler()(logits, batch).sampled_token_ids.tolist()) == {0, 1}
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_penalties_exact_values():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    batch = make_batch([params], prompts=[[0]], outputs=[[1, 2, 2]])
+    # repetition (seen 0, 1, 2): [1.0, -2.0, 0.25, 3.0]
+    # frequency (counts 1:1, 2:2): [1.0, -2.5, -0.75, 3.0]
+    # presence (1, 2 present):     [1.0, -2.75, -1.0, 3.0]
+    expected = torch.tensor([[1.0, -2.75, -1.0, 3.0]])
+    assert torch.allclose(apply_penalties(logits, batch), expected)
+
+
+def test_frequency_and_presence_ignore_prompt_tokens():
+    logits = torch.zeros(1, 4)
+    params = SamplingParams(frequency_penalty=1.0, presence_penalty=1.0)
+    batch = make_batch([params], prompts=[[0, 0, 1]], outputs=[[3]])
+    assert torch.equal(apply_penalties(logits, batch), torch.tensor([[0.0, 0.0, 0.0, -2.0]]))
+
+
+def test_penalties_change_greedy_choice_and_rows_stay_independent():
+    logits = torch.tensor([[3.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=0, presence_penalty=2.0), SamplingParams(temperature=0)]
+    batch = make_batch(params, outputs=[[0], [0]])
+    assert Sampler()(logits, batch).sampled_token_ids.tolist() == [1, 0]
+
+
+# ---------------------------------------------------------------- randomness
+
+
+def _run_seeded_steps(step_logits, rows, make_generators):
+    """Sample len(step_logits) steps; return the token of batch row `rows` index 0 each step."""
+    sampler, tokens = Sampler(), []
+    generators = make_generators()
+    for logits in step_logits:
+        batch = make_batch(rows, generators=generators)
+        tokens.append(sampler(logits, batch).sampled_token_ids.tolist())
+    return tokens
+
+
+def test_seeded_sampling_is_independent_of_batch():
+    steps, vocab = 40, 64
+    target = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+    others = [SamplingParams(temperature=1.3), SamplingParams(seed=7, min_p=0.05)]
+    g = seeded(99)
+    alone_logits = [torch.randn(1, vocab, generator=g) for _ in range(steps)]
+    batch_logits = [torch.cat([torch.randn(1, vocab, generator=g), x, torch.randn(1, vocab, generator=g)])
+                    for x in alone_logits]
+
+    torch.manual_seed(0)
+    alone = _run_seeded_steps(alone_logits, [target], lambda: [seeded(1234)])
+    torch.manual_seed(1)
+    mixed = _run_seeded_steps(batch_logits, [others[0], target, others[1]],
+                              lambda: [None, seeded(1234), seeded(7)])
+    assert [t[0] for t in alone] == [t[1] for t in mixed]
+    assert len({t[0] for t in alone}) > 5  # actually random, not collapsed to argmax
+
+
+def test_unseeded_sampling_follows_global_seed():
+    logits = torch.randn(16, 64, generator=seeded(5))
+    batch = make_batch([SamplingParams()] * 16)
+    torch.manual_seed(3)
+    a = Sampler()(logits, batch).sampled_token_ids
+    torch.manual_seed(3)
+    b = Sampler()(logits, batch).sampled_token_ids
+    assert torch.equal(a, b)
+
+
+def test_temperature_sampling_matches_softmax():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -2.0])
+    temperature, rows, steps = 0.7, 2000, 10
+    batch = make_batch([SamplingParams(temperature=temperature)] * rows)
+    torch.manual_seed(2024)
+    counts = torch.zeros(5)
+    for _ in range(steps):
+        tokens = Sampler()(logits.expand(rows, -1), batch).sampled_token_ids
+        counts += torch.bincount(tokens, minlength=5).float()
+    expected = torch.softmax(logits / temperature, dim=-1) * rows * steps
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    try:
+        from scipy.stats import chi2 as chi2_dist
+
+        assert chi2_dist.sf(chi2, df=4) > 1e-4, chi2
+    except ImportError:
+        assert chi2 < 30.0, chi2  # df=4: p(chi2 > 30) ~ 5e-6
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_report_raw_top_n_and_sampled_token():
+    logits = torch.tensor([[4.0, 3.0, 2.5, 1.0], [0.0, 1.0, 2.0, 3.0]])
+    # Row 0: the penalty makes token 2 the greedy choice, outside the raw top-1.
+    params = [SamplingParams(temperature=0, presence_penalty=2.0, logprobs=1),
+              SamplingParams(temperature=0)]
+    out = Sampler()(logits, make_batch(params, outputs=[[0, 1], []]))
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.sampled_token_ids.tolist() == [2, 3]
+    assert set(out.logprobs[0]) == {0, 2}
+    assert math.isclose(out.logprobs[0][0], raw[0, 0].item(), rel_tol=1e-6)
+    assert math.isclose(out.logprobs[0][2], raw[0, 2].item(), rel_tol=1e-6)
+    assert out.logprobs[1] is None
+
+
+def test_logprobs_zero_and_top_n_containing_sampled():
+    logits = torch.randn(2, 10, generator=seeded(8))
+    params = [SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=0, logprobs=3)]
+    out = Sampler()(logits, make_batch(params))
+    raw = torch.log_softmax(logits, dim=-1)
+    assert list(out.logprobs[0]) == [int(logits[0].argmax())]
+    assert set(out.logprobs[1]) == set(raw[1].topk(3).indices.tolist())
+    for token, value in out.logprobs[1].items():
+        assert math.isclose(value, raw[1, token].item(), rel_tol=1e-6)
+
+
+def test_compute_prompt_logprobs():
+    logits = torch.randn(3, 12, generator=seeded(9))
+    next_ids = torch.tensor([5, 0, 11])
+    result = compute_prompt_logprobs(logits, next_ids, num=2)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert len(result) == 3
+    for i, entry in enumerate(result):
+        expected_ids = set(raw[i].topk(2).indices.tolist()) | {int(next_ids[i])}
+        assert set(entry) == expected_ids
+        for token, value in entry.items():
+            assert math.isclose(value, raw[i, token].item(), rel_tol=1e-6)
