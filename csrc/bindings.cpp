@@ -47,4 +47,81 @@ PYBIND11_MODULE(_C, m) {
       "cache block block_ids[i] = staging[i], for i < num_ids", py::arg("cache"),
       py::arg("block_stride"), py::arg("block_ids"), py::arg("num_ids"), py::arg("staging"),
       py::arg("block_bytes"), py::arg("stream"));
+
+  m.def(
+      "kda_decode",
+      [](uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v, int64_t v_sb,
+         int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state, int64_t slot_stride, uintptr_t slot_ids,
+         int64_t slot_cols, uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads,
+         int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream) {
+        check(atom::kda_decode(q, q_sb, q_st, k, k_sb, k_st, v, v_sb, v_st, g, beta, state, slot_stride, slot_ids,
+                               slot_cols, has_initial_state, out, batch, tokens, heads, key_dim, value_dim, scale,
+                               eps, dtype, stream));
+      },
+      "KDA decode step over the slot-indexed fp32 state, in place (see csrc/ops.h)", py::arg("q"), py::arg("q_sb"),
+      py::arg("q_st"), py::arg("k"), py::arg("k_sb"), py::arg("k_st"), py::arg("v"), py::arg("v_sb"), py::arg("v_st"),
+      py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("slot_stride"), py::arg("slot_ids"),
+      py::arg("slot_cols"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"),
+      py::arg("heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("scale"), py::arg("eps"),
+      py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "conv1d_update",
+      [](uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight, uintptr_t slot_ids,
+         int64_t slot_cols, uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens,
+         int64_t channels, int64_t width, int dtype, uintptr_t stream) {
+        check(atom::conv1d_update(x, conv_state, slot_stride, weight, slot_ids, slot_cols, has_initial_state, out,
+                                  batch, tokens, channels, width, dtype, stream));
+      },
+      "depthwise causal conv1d + SiLU decode update over the slot-indexed conv state", py::arg("x"),
+      py::arg("conv_state"), py::arg("slot_stride"), py::arg("weight"), py::arg("slot_ids"), py::arg("slot_cols"),
+      py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"), py::arg("channels"),
+      py::arg("width"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "gated_rmsnorm",
+      [](uintptr_t x, int64_t x_stride, uintptr_t gate, int64_t gate_stride, uintptr_t weight, uintptr_t out,
+         int64_t out_stride, int64_t rows, int64_t dim, double eps, int dtype, uintptr_t stream) {
+        check(atom::gated_rmsnorm(x, x_stride, gate, gate_stride, weight, out, out_stride, rows, dim, eps, dtype,
+                                  stream));
+      },
+      "out = weight * rmsnorm(x) * sigmoid(gate), fp32 inside", py::arg("x"), py::arg("x_stride"), py::arg("gate"),
+      py::arg("gate_stride"), py::arg("weight"), py::arg("out"), py::arg("out_stride"), py::arg("rows"),
+      py::arg("dim"), py::arg("eps"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "mla_decode",
+      [](uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride, int64_t row_stride,
+         int64_t block_size, uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
+         uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out, uintptr_t o_part, uintptr_t lse_part,
+         int64_t batch, int64_t heads, int64_t rank, int64_t rope_dim, int64_t num_splits, double scale,
+         int dtype, int out_dtype, bool allow_tensor_cores, uintptr_t stream) {
+        check(atom::mla_decode(q_latent, q_pe, cache, block_stride, row_stride, block_size, block_tables,
+                               block_table_stride, block_table_dtype, seq_lens, seq_lens_dtype, out, o_part,
+                               lse_part, batch, heads, rank, rope_dim, num_splits, scale, dtype, out_dtype,
+                               allow_tensor_cores, stream));
+      },
+      "MLA decode attention over the paged latent cache (absorbed form)", py::arg("q_latent"), py::arg("q_pe"),
+      py::arg("cache"), py::arg("block_stride"), py::arg("row_stride"), py::arg("block_size"),
+      py::arg("block_tables"), py::arg("block_table_stride"), py::arg("block_table_dtype"), py::arg("seq_lens"),
+      py::arg("seq_lens_dtype"), py::arg("out"), py::arg("o_part"), py::arg("lse_part"), py::arg("batch"),
+      py::arg("heads"), py::arg("rank"), py::arg("rope_dim"), py::arg("num_splits"), py::arg("scale"),
+      py::arg("dtype"), py::arg("out_dtype"), py::arg("allow_tensor_cores"), py::arg("stream"));
+
+  m.def("mla_decode_has_tensor_cores", &atom::mla_decode_has_tensor_cores,
+        "whether mla_decode has its tensor-core kernel in this build");
+
+  m.def(
+      "write_latent_cache",
+      [](uintptr_t cache, int64_t block_stride, int64_t row_stride, int64_t block_size, uintptr_t latent,
+         int64_t latent_stride, uintptr_t rope, int64_t rope_stride, uintptr_t slot_mapping, int slot_dtype,
+         int64_t num_tokens, int64_t rank, int64_t rope_dim, int dtype, uintptr_t stream) {
+        check(atom::write_latent_cache(cache, block_stride, row_stride, block_size, latent, latent_stride, rope,
+                                       rope_stride, slot_mapping, slot_dtype, num_tokens, rank, rope_dim, dtype,
+                                       stream));
+      },
+      "MLA cache rows [latent | rope] written at slot_mapping", py::arg("cache"), py::arg("block_stride"),
+      py::arg("row_stride"), py::arg("block_size"), py::arg("latent"), py::arg("latent_stride"), py::arg("rope"),
+      py::arg("rope_stride"), py::arg("slot_mapping"), py::arg("slot_dtype"), py::arg("num_tokens"),
+      py::arg("rank"), py::arg("rope_dim"), py::arg("dtype"), py::arg("stream"));
 }

@@ -136,11 +136,17 @@ class EngineCore:
         return self.update(sched, result)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        new_ids = request.output_token_ids[request.num_sent_tokens :]
-        new_text = request.output_text[request.num_sent_chars :]
-        request.num_sent_tokens = request.num_output_tokens
-        request.num_sent_chars = len(request.output_text)
         params = request.sampling_params
+        new_ids = request.output_token_ids[request.num_sent_tokens :]
+        # Hold back text that could still turn out to be the start of a stop string:
+        # once streamed, it could not be taken back.
+        visible = len(request.output_text)
+        if params.stop and not request.is_finished:
+            visible -= max(len(s) for s in params.stop) - 1
+        visible = max(visible, request.num_sent_chars)
+        new_text = request.output_text[request.num_sent_chars : visible]
+        request.num_sent_tokens = request.num_output_tokens
+        request.num_sent_chars = visible
         completion = CompletionOutput(
             index=0,
             text=request.output_text,

@@ -2,12 +2,13 @@
 
 Layers see a flat batch ``[T, ...]`` of every sequence's new tokens this step.
 Recurrent and attention references are easier to write over a right-padded
-``[B, L, ...]`` batch (``L`` = longest query this step)::
+``[B, L, ...]`` batch. A step is split into at most two such groups, so that
+one long prefill does not pad every decode row to its length::
 
-    flat:    | a0 a1 a2 | b0 | c0 c1 |          query_start_loc = [0, 3, 4, 6]
-    padded:  [[a0 a1 a2],
-              [b0 -- --],                         '--' = fill value (zeros)
-              [c0 c1 --]]
+    flat:      | a0 a1 a2 | b0 | c0 c1 | d0 |      query_start_loc = [0, 3, 4, 6, 7]
+    decode:    [[b0], [d0]]                         seqs (1, 3), L = 1
+    prefill:   [[a0 a1 a2],                         seqs (0, 2), L = 3
+                [c0 c1 --]]                         '--' = zeros
 
 Right padding never changes a valid position's result in causal ops, so the
 ops may compute garbage at '--' as long as it is finite; ``unpad`` drops it.
@@ -15,6 +16,7 @@ ops may compute garbage at '--' as long as it is finite; ``unpad`` drops it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,41 +24,61 @@ import torch
 
 @dataclass(frozen=True)
 class PaddedLayout:
-    """Where each flat token sits in a right-padded ``[num_seqs, max_len]`` batch."""
+    """Some sequences of one step, right-padded to ``[num_seqs, max_len]``."""
 
-    num_seqs: int
+    seqs: tuple[int, ...]  # which sequences of the step (host)
+    seq_ids: torch.Tensor  # [B'] the same, on device
+    token_ids: torch.Tensor  # [T'] their tokens' rows in the step's flat batch
+    index: torch.Tensor  # [T'] b' * max_len + j for token j of the b'-th sequence here
+    lengths: torch.Tensor  # [B'] query length of each sequence here
     max_len: int
-    index: torch.Tensor  # [T] int64: b * max_len + j for token j of sequence b
-    lengths: torch.Tensor  # [B] int64 query length of each sequence
-
-    @classmethod
-    def from_query_start_loc(cls, query_start_loc: list[int], device: torch.device) -> PaddedLayout:
-        starts = query_start_loc
-        lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-        max_len = max(lens, default=0) or 1
-        index = [b * max_len + j for b, n in enumerate(lens) for j in range(n)]
-        return cls(
-            num_seqs=len(lens),
-            max_len=max_len,
-            index=torch.tensor(index, dtype=torch.long, device=device),
-            lengths=torch.tensor(lens, dtype=torch.long, device=device),
-        )
 
     @property
-    def is_decode(self) -> bool:
-        """One token per sequence: the flat batch already is the padded batch."""
-        return self.max_len == 1 and self.index.numel() == self.num_seqs
+    def num_seqs(self) -> int:
+        return len(self.seqs)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, *rest] -> [B, L, *rest], zeros at padded positions."""
-        if self.is_decode:
-            return x.unsqueeze(1)
+        """Flat [T, *rest] of the whole step -> [B', L, *rest] of this group, zeros at padding."""
+        rows = x[self.token_ids]
+        if self.max_len == 1:
+            return rows.unsqueeze(1)
         out = x.new_zeros(self.num_seqs * self.max_len, *x.shape[1:])
-        out[self.index] = x
+        out[self.index] = rows
         return out.view(self.num_seqs, self.max_len, *x.shape[1:])
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """[B, L, *rest] -> [T, *rest]."""
-        if self.is_decode:
+        """[B', L, *rest] -> [T', *rest], in the order of ``token_ids``."""
+        if self.max_len == 1:
             return y.squeeze(1)
         return y.reshape(self.num_seqs * self.max_len, *y.shape[2:])[self.index]
+
+
+def split_decode_prefill(query_start_loc: list[int], device: torch.device) -> tuple[PaddedLayout, ...]:
+    """The step's decode rows (one token each) and its longer rows as separate groups; empty ones dropped."""
+    return _split(tuple(query_start_loc), torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)  # every layer of a step asks for the same split
+def _split(starts: tuple[int, ...], device: torch.device) -> tuple[PaddedLayout, ...]:
+    lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+    decode = tuple(b for b, n in enumerate(lens) if n == 1)
+    prefill = tuple(b for b, n in enumerate(lens) if n > 1)
+    return tuple(_layout(group, starts, lens, device) for group in (decode, prefill) if group)
+
+
+def _layout(seqs: tuple[int, ...], starts: tuple[int, ...], lens: list[int], device) -> PaddedLayout:
+    max_len = max(lens[b] for b in seqs)
+    tokens = [starts[b] + j for b in seqs for j in range(lens[b])]
+    index = [i * max_len + j for i, b in enumerate(seqs) for j in range(lens[b])]
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return PaddedLayout(
+        seqs=seqs,
+        seq_ids=tensor(list(seqs)),
+        token_ids=tensor(tokens),
+        index=tensor(index),
+        lengths=tensor([lens[b] for b in seqs]),
+        max_len=max_len,
+    )

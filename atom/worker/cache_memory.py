@@ -15,7 +15,7 @@ from atom.layers.cache_spec import CacheSpec, RecurrentStateSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB on CPU when neither a budget nor a block count is given
+MAX_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # cap when neither a budget nor a block count is given
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def plan_cache(config: EngineConfig, specs: dict[int, CacheSpec]) -> CacheLayout
     if config.num_gpu_blocks is not None:
         blocks = config.num_gpu_blocks
     else:
-        budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        budget = config.kv_cache_memory or _default_budget(config, per_block, groups * per_group)
         left = budget - groups * per_group
         if recurrent and left < 0:
             groups = budget // per_group if per_group else groups
@@ -52,6 +52,13 @@ def plan_cache(config: EngineConfig, specs: dict[int, CacheSpec]) -> CacheLayout
         layout.num_blocks, config.block_size, layout.num_state_groups, layout.total_bytes / 2**20,
     )
     return layout
+
+
+def _default_budget(config: EngineConfig, per_block: int, state_bytes: int) -> int:
+    """Room for max_num_seqs requests of max_model_len each, capped at 1 GiB; no more is useful."""
+    want = config.max_num_seqs * config.max_blocks_per_seq * per_block + state_bytes
+    floor = config.max_blocks_per_seq * per_block + state_bytes
+    return max(min(want, MAX_DEFAULT_KV_CACHE_MEMORY), floor)
 
 
 def _check_fits(config: EngineConfig, layout: CacheLayout, paged: bool, recurrent: bool) -> None:

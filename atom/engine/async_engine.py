@@ -1,0 +1,163 @@
+"""asyncio front end: the step loop runs on the caller's event loop.
+
+Scheduling and bookkeeping happen on the loop; each forward pass runs in one
+worker thread (``run_in_executor``), so the loop keeps answering health
+checks and accepting requests while a step runs. Each request has its own
+queue of outputs; leaving ``async for`` early (break, cancel, disconnect)
+aborts the request and frees its blocks and slots at once.
+
+Aborting during a forward is safe: freed blocks and slots are handed out only
+by the next ``schedule()``, which runs after the in-flight step returns, and a
+reused state slot is zeroed because its new owner starts at context 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+from atom.config import EngineConfig, SpeculativeConfig
+from atom.engine.engine_core import EngineCore
+from atom.outputs import RequestOutput
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward")
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._next_id = 0
+        self.dead_error: BaseException | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None, **kwargs: Any) -> "AsyncEngine":
+        if config is None:
+            spec = kwargs.pop("speculative_config", None)
+            if isinstance(spec, dict):
+                spec = SpeculativeConfig(**spec)
+            config = EngineConfig(speculative_config=spec, **kwargs)
+        return cls(config)
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    # -- lifecycle -----------------------------------------------------------------
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="atom-step-loop")
+
+    async def shutdown(self) -> None:
+        for request_id in list(self._queues):
+            self.abort(request_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> "AsyncEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    # -- requests ------------------------------------------------------------------
+    async def generate(
+        self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield incremental outputs (``new_token_ids``, ``new_text``) until the request finishes."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error}")
+        await self.start()
+        if request_id is None:
+            request_id = f"atom-{self._next_id}"
+            self._next_id += 1
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = self.core.make_request(prompt, sampling_params or SamplingParams(), request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.core.add_request(request)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.core.abort_request(request_id)
+
+    def abort(self, request_id: str) -> None:
+        out = self.core.abort_request(request_id)
+        queue = self._queues.get(request_id)
+        if out is not None and queue is not None:
+            queue.put_nowait(out)
+
+    # -- the step loop -------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.core.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                sched = self.core.schedule()
+                result = await loop.run_in_executor(self._executor, self.core.execute, sched)
+                self.num_steps += 1
+                for out in self.core.update(sched, result):
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                await asyncio.sleep(0)  # let consumers and new requests in between steps
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug in a step: fail every request, loudly
+            logger.exception("engine step failed; failing all requests")
+            self.dead_error = exc
+            for request_id, queue in list(self._queues.items()):
+                self.core.abort_request(request_id)
+                queue.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    # -- introspection for /health and /metrics --------------------------------------
+    def stats(self) -> dict[str, float]:
+        sched, kv = self.core.scheduler, self.core.kv
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_block_usage": kv.block_usage,
+            "state_slot_usage": kv.state_usage,
+            "num_preemptions": sched.num_preemptions,
+        }
+
+    def all_resources_free(self) -> bool:
+        return self.core.all_resources_free()

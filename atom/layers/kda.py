@@ -1,0 +1,114 @@
+"""Kimi Delta Attention (KDA) layer: gated delta rule with per-channel decay.
+
+Parameter names follow the checkpoint (``q_conv1d``/``k_conv1d``/``v_conv1d``,
+``A_log``, ``dt_bias``, ``f_a_proj``/``f_b_proj`` directly on ``self_attn``).
+
+Recurrent state lives in a slot-indexed pool, one slot per running sequence
+(``attn_metadata.state_slots``), two tensors per slot:
+
+    conv state       [3*H*K, W-1]  model dtype: last W-1 raw inputs of the q|k|v
+                                   channels, i.e. the conv's left context
+    recurrent state  [H, K, V]     fp32
+
+A sequence with ``context_lens == 0`` starts from zeros whatever its slot
+holds (slots are reused); afterwards its slot holds the state after its last
+new token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.forward_context import get_forward_context
+from atom.layers.cache_spec import RecurrentStateSpec
+from atom.layers.norm import GatedRMSNorm
+from atom.ops import PaddedLayout, split_decode_prefill
+from atom.ops.kda import causal_conv1d, kda, l2norm
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        conv_kernel_size: int,
+        rms_norm_eps: float,
+        layer_idx: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.layer_idx, self.dtype = num_heads, head_dim, layer_idx, dtype
+        self.conv_kernel_size = conv_kernel_size
+        dim = num_heads * head_dim
+
+        def linear(n_in: int, n_out: int) -> nn.Linear:
+            return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+
+        self.q_proj, self.k_proj, self.v_proj = linear(hidden_size, dim), linear(hidden_size, dim), linear(hidden_size, dim)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (_DepthwiseConv(dim, conv_kernel_size, dtype) for _ in range(3))
+        # decay gate: g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), per channel
+        self.f_a_proj, self.f_b_proj = linear(hidden_size, head_dim), linear(head_dim, dim)
+        self.A_log = nn.Parameter(torch.empty(1, 1, num_heads, 1, dtype=dtype))
+        self.dt_bias = nn.Parameter(torch.empty(dim, dtype=torch.float32))  # fp32 like transformers
+        self.b_proj = linear(hidden_size, num_heads)
+        self.g_a_proj, self.g_b_proj = linear(hidden_size, head_dim), linear(head_dim, dim)
+        self.o_norm = GatedRMSNorm(head_dim, eps=rms_norm_eps, dtype=dtype)  # shared across heads
+        self.o_proj = linear(dim, hidden_size)
+
+    def cache_spec(self) -> RecurrentStateSpec:
+        dim, k = self.num_heads * self.head_dim, self.head_dim
+        return RecurrentStateSpec(
+            shapes=((3 * dim, self.conv_kernel_size - 1), (self.num_heads, k, k)),
+            dtypes=(self.dtype, torch.float32),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        md = get_forward_context().attn_metadata
+        x = hidden_states
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3*H*K] pre-conv
+        g = self._decay(x)  # [T, H, K] fp32
+        beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
+        # Fresh sequences start from zeros: select (not multiply) so stale NaNs cannot leak.
+        continuing = torch.tensor([c > 0 for c in md.context_lens], device=x.device)
+        out = x.new_empty(x.shape[0], self.num_heads, self.head_dim)
+        for layout in split_decode_prefill(md.query_start_loc, x.device):
+            out[layout.token_ids] = self._recur(mixed, g, beta, continuing, layout).to(x.dtype)
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        return self.o_proj(self.o_norm(out, gate).flatten(1))
+
+    def _recur(self, mixed, g, beta, continuing, layout: PaddedLayout) -> torch.Tensor:
+        """Short conv + delta rule for one group of sequences, through their state slots. Returns [T', H, V] fp32."""
+        conv_pool, state_pool = get_forward_context().caches[self.layer_idx]
+        slots = get_forward_context().attn_metadata.state_slots[layout.seq_ids]
+        keep = continuing[layout.seq_ids]
+        conv_state = torch.where(keep[:, None, None], conv_pool[slots], 0)
+        state = torch.where(keep[:, None, None, None], state_pool[slots], 0)
+
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        conv_out, conv_state = causal_conv1d(layout.pad(mixed).transpose(1, 2), conv_state, weight, layout.lengths)
+        conv_pool[slots] = conv_state
+        q, k, v = conv_out.transpose(1, 2).unflatten(-1, (3 * self.num_heads, self.head_dim)).float().chunk(3, dim=2)
+        q = l2norm(q) * self.head_dim**-0.5
+        # layout.pad fills padding with g = 0 and beta = 0: no decay, no update there.
+        out, state = kda(q, l2norm(k), v, layout.pad(g), layout.pad(beta), state)
+        state_pool[slots] = state
+        return layout.unpad(out)
+
+    def _decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log-decay g [T, H, K] in fp32, g <= 0."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = raw.unflatten(-1, (self.num_heads, self.head_dim))
+        # softplus written out as transformers does (identity above 20), to round the same way
+        softplus = torch.where(raw > 20.0, raw, torch.log(1.0 + torch.exp(raw)))
+        return -torch.exp(self.A_log.float().view(self.num_heads, 1)) * softplus
+
+
+class _DepthwiseConv(nn.Module):
+    """Holds a depthwise conv1d weight [C, 1, W] under the checkpoint's ``*_conv1d.weight`` name."""
+
+    def __init__(self, channels: int, kernel_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=dtype))

@@ -1,0 +1,88 @@
+"""Multi-head latent attention (MLA), NoPE as in Kimi-Linear: no rotary anywhere.
+
+Per token the cache keeps one row [kv_a_layernorm(c) (r) | k_rot (rope)]
+(``MLASpec``). kv_b_proj's weight, viewed per head as [H, nope + v, r], is
+split into W_UK [H, nope, r] and W_UV [H, v, r]; attention runs in latent
+space (absorbed form, see ``atom.ops.mla``):
+
+    q_latent = q_nope @ W_UK      out = (softmax(...) @ c) @ W_UV^T
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom.forward_context import get_forward_context
+from atom.layers.cache_spec import MLASpec
+from atom.layers.norm import RMSNorm
+from atom.ops import split_decode_prefill
+from atom.ops.mla import mla_attention, write_latent_cache
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        attention_bias: bool,
+        layer_idx: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.layer_idx, self.dtype = num_heads, layer_idx, dtype
+        self.kv_lora_rank, self.nope_dim, self.rope_dim, self.v_dim = (
+            kv_lora_rank,
+            qk_nope_head_dim,
+            qk_rope_head_dim,
+            v_head_dim,
+        )
+        q_dim = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        self.q_lora_rank = q_lora_rank
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, q_dim, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, dtype=dtype)  # eps 1e-6, as transformers
+            self.q_b_proj = nn.Linear(q_lora_rank, q_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias, dtype=dtype
+        )
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, dtype=dtype)  # eps 1e-6, as transformers
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+
+    def cache_spec(self) -> MLASpec:
+        return MLASpec(kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim, dtype=self.dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        md = ctx.attn_metadata
+        (latent_cache,) = ctx.caches[self.layer_idx]
+
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        write_latent_cache(latent_cache, torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1), md.slot_mapping)
+
+        q_nope, q_rope = self._query(hidden_states).split([self.nope_dim, self.rope_dim], dim=-1)
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        out_latent = q_latent.new_empty(q_latent.shape, dtype=torch.float32)
+        for layout in split_decode_prefill(md.query_start_loc, hidden_states.device):
+            out_latent[layout.token_ids] = mla_attention(q_latent, q_rope, latent_cache, md, layout, self.scale)
+        out = torch.einsum("thr,hvr->thv", out_latent.to(hidden_states.dtype), w_uv)
+        return self.o_proj(out.flatten(1))
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope + rope], nope part first."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))

@@ -1,0 +1,136 @@
+"""Feed-forward layers: the dense gated MLP and a DeepSeek-V3-style MoE.
+
+Checkpoints store routed experts one by one (``experts.{e}.w1/w2/w3.weight``,
+w1 = gate, w3 = up, w2 = down), which is what the loader fills. After loading,
+``RoutedExperts.fuse()`` re-homes them into two stacked tensors without
+copying memory twice::
+
+    gate_up_proj [E, 2I, D] = cat(w1, w3)      down_proj [E, D, I] = w2
+
+and the per-expert parameters become views into those stacks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Sigmoid scores; group-limited top-k chosen on score + bias; weights from the unbiased scores.
+
+    Returns (weights [T, k] fp32, expert ids [T, k]). Weights are renormalised
+    to sum 1 when ``norm_topk_prob`` and then scaled by ``routed_scaling_factor``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        num_groups: int,
+        topk_groups: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        if num_experts % num_groups or num_experts // num_groups < 2:
+            raise ValueError(
+                f"n_group={num_groups} must divide num_experts={num_experts} into groups of at least 2 experts"
+            )
+        self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        # Kept in fp32 like transformers (_keep_in_fp32_modules_strict); the bias only steers the choice.
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        grouped = biased.view(x.shape[0], self.num_groups, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # best two experts per group
+        top_groups = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        biased = biased.masked_fill(~group_mask.unsqueeze(-1).expand_as(grouped).reshape_as(biased), float("-inf"))
+        ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class ExpertWeights(nn.Module):
+    """One routed expert as the checkpoint stores it: w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
+
+
+class RoutedExperts(nn.ModuleList):
+    """Routed experts; run on the stacked ``gate_up_proj`` / ``down_proj`` made by ``fuse()``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None) -> None:
+        super().__init__(ExpertWeights(hidden_size, intermediate_size, dtype) for _ in range(num_experts))
+        self.intermediate_size = intermediate_size
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Stack loaded per-expert weights; afterwards each expert's params are views into the stacks."""
+        size = self.intermediate_size
+        gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self])
+        down = torch.stack([e.w2.weight for e in self])
+        self.register_buffer("gate_up_proj", gate_up, persistent=False)
+        self.register_buffer("down_proj", down, persistent=False)
+        for i, e in enumerate(self):
+            e.w1.weight.data, e.w3.weight.data = gate_up[i, :size], gate_up[i, size:]
+            e.w2.weight.data = down[i]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D]; weights, ids [T, k]. Loops over the experts some token picked, in id order."""
+        out = torch.zeros_like(x)
+        counts = torch.bincount(ids.flatten(), minlength=len(self))
+        for expert in counts.nonzero().flatten().tolist():  # host sync: fine for a reference
+            token, slot = torch.where(ids == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus always-on shared experts: experts(x) + shared_experts(x)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        num_shared_experts: int,
+        router: TopkRouter,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = router
+        self.experts = RoutedExperts(num_experts, hidden_size, moe_intermediate_size, dtype)
+        self.shared_experts = GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids) + self.shared_experts(x)

@@ -1,0 +1,37 @@
+"""RMS norms computing in fp32, rounding exactly where transformers rounds."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 x * rsqrt(mean(x^2) + eps) over the last dim."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """``weight * normalize(x).to(x.dtype)``: the weight multiplies in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * _rms_normalize(x, self.eps).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``normalize(x) * weight * sigmoid(gate)``, all in fp32, rounded once at the end."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        out = self.weight.float() * _rms_normalize(x, self.eps)
+        return (out * torch.sigmoid(gate.float())).to(x.dtype)

@@ -1,0 +1,22 @@
+"""Dispatch to the ``atom._C`` CUDA/HIP kernels, with a torch reference for each.
+
+Every function here takes torch tensors, runs the compiled kernel when the
+tensors are on a GPU and ``use_kernels()`` (``ATOM_FORCE_REFERENCE=1`` turns
+that off), and its torch reference (``reference.py``) everywhere else. The
+kernels take raw device pointers and the current stream, so nothing here
+links against torch's C++ ABI.
+
+    kda_decode            KDA decode step over the slot-indexed fp32 state (1 + k tokens)
+    conv1d_update         short causal conv1d + SiLU over the slot-indexed conv state
+    gated_rmsnorm         weight * rmsnorm(x) * sigmoid(gate)
+    mla_decode            MLA absorbed decode attention over the paged latent cache
+    write_latent_cache    MLA cache rows [latent | k_rot] at slot_mapping
+
+Whole-block gathers/scatters for P/D and offload live in ``atom.ops.cache_ops``.
+"""
+
+from atom.ops.cuda.kda import conv1d_update, kda_decode
+from atom.ops.cuda.mla import mla_decode, write_latent_cache
+from atom.ops.cuda.norm import gated_rmsnorm
+
+__all__ = ["kda_decode", "conv1d_update", "gated_rmsnorm", "mla_decode", "write_latent_cache"]

@@ -1,0 +1,167 @@
+"""KDA decode kernels: the delta-rule step and the short conv, over slot-indexed state.
+
+Both work in place on the layer's state pools (``KimiDeltaAttention.cache_spec``)::
+
+    conv pool      [num_slots, 3*H*K, W-1]  model dtype
+    state pool     [num_slots, H, K, V]     fp32
+
+and take the slot layout described in ``atom.ops.cuda.reference`` (one slot per
+sequence, or 1 + k consecutive slots under speculative decoding). No host
+sync: safe inside a captured CUDA graph as long as the tensors stay put.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda.reference import conv1d_update_ref, kda_decode_ref
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One KDA decode step (T tokens per sequence), updating ``state_pool`` in place.
+
+    q, k: [B, H, K] or [B, T, H, K] raw conv outputs (the kernel l2-normalises
+    both and scales q by ``scale``, default K^-0.5); each token's [H, K] must be
+    contiguous, the batch/token strides are free (q, k, v may be views into one
+    [B, 3*H*K] conv output). v: like q with V; g: like q, fp32 log-decay;
+    beta: [B, H] or [B, T, H]; slot_ids: [B] or [B, T] int64 (see
+    ``reference.py``); has_initial_state: optional bool [B].
+    Returns o [B, (T,) H, V] in v's dtype, written into ``out`` if given
+    (contiguous; a static buffer for CUDA graphs).
+    """
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v, g, beta = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1), beta.unsqueeze(1)
+    batch, tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    if k.shape != q.shape or g.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(
+            f"kda_decode: q, k, g must share [B, T, H, K] and v, beta its [B, T, H]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+        )
+    if state_pool.dtype != torch.float32 or state_pool.shape[1:] != (heads, key_dim, value_dim):
+        raise ValueError(f"kda_decode: state_pool must be fp32 [slots, {heads}, {key_dim}, {value_dim}], "
+                         f"got {state_pool.dtype} {tuple(state_pool.shape)}")
+    scale = key_dim**-0.5 if scale is None else scale
+    if not kernels_apply(q, k, v, g, beta, state_pool, slot_ids):
+        ref = kda_decode_ref(q, k, v, g, beta, state_pool, slot_ids, has_initial_state, scale, eps)
+        return _into(ref.squeeze(1) if squeeze else ref, out)
+
+    if not state_pool[0].is_contiguous():
+        raise ValueError("kda_decode: each slot of state_pool must be one contiguous [H, K, V] block")
+    dtype = v.dtype
+    q, k = _token_major(q.to(dtype)), _token_major(k.to(dtype))
+    v = _token_major(v)
+    g = g.float().contiguous()
+    beta = beta.float().contiguous()
+    ids = slot_ids.reshape(batch, -1).to(torch.int64).contiguous()
+    init = _flags(has_initial_state, v.device)
+    result = _output(out, (batch, tokens, heads, value_dim), dtype, v.device)
+    with torch.cuda.device(v.device):
+        C().kda_decode(
+            q.data_ptr(), q.stride(0), q.stride(1),
+            k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1),
+            g.data_ptr(), beta.data_ptr(), state_pool.data_ptr(), state_pool.stride(0),
+            ids.data_ptr(), ids.shape[1], init.data_ptr() if init is not None else 0, result.data_ptr(),
+            batch, tokens, heads, key_dim, value_dim, float(scale), float(eps), dtype_code(dtype),
+            stream_of(v.device),
+        )  # fmt: skip
+    return out if out is not None else (result.squeeze(1) if squeeze else result)
+
+
+def conv1d_update(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    slot_ids: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU for decode, updating ``conv_pool`` [slots, C, W-1] in place.
+
+    x: [B, C] or [B, T, C] new raw inputs (model dtype); weight: [C, W] or the
+    module's [C, 1, W]; slot_ids / has_initial_state as for ``kda_decode``.
+    Returns silu(conv) shaped like x, written into ``out`` if given (contiguous).
+    """
+    squeeze = x.dim() == 2
+    if squeeze:
+        x = x.unsqueeze(1)
+    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    batch, tokens, channels = x.shape
+    width = weight.shape[-1]
+    if weight.shape[0] != channels or conv_pool.shape[1:] != (channels, width - 1):
+        raise ValueError(f"conv1d_update: need weight [{channels}, W] and conv_pool [slots, {channels}, W-1]; "
+                         f"got {tuple(weight.shape)} and {tuple(conv_pool.shape)}")
+    if not kernels_apply(x, conv_pool, weight, slot_ids) or not 2 <= width <= 5:
+        ref = conv1d_update_ref(x, conv_pool, weight, slot_ids, has_initial_state)
+        return _into(ref.squeeze(1) if squeeze else ref, out)
+
+    if not conv_pool[0].is_contiguous():
+        raise ValueError("conv1d_update: each slot of conv_pool must be one contiguous [C, W-1] block")
+    dtype = conv_pool.dtype
+    x = x.to(dtype).contiguous()
+    weight = weight.to(dtype).contiguous()
+    ids = slot_ids.reshape(batch, -1).to(torch.int64).contiguous()
+    init = _flags(has_initial_state, x.device)
+    result = _output(out, tuple(x.shape), dtype, x.device)
+    with torch.cuda.device(x.device):
+        C().conv1d_update(
+            x.data_ptr(), conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ids.data_ptr(),
+            ids.shape[1], init.data_ptr() if init is not None else 0, result.data_ptr(), batch, tokens, channels,
+            width, dtype_code(dtype), stream_of(x.device),
+        )  # fmt: skip
+    return out if out is not None else (result.squeeze(1) if squeeze else result)
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """The kernel's contiguous output buffer: ``out`` viewed as ``shape``, or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if out.dtype != dtype or out.numel() != _numel(shape) or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {_numel(shape)} elements on {device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out.view(shape)
+
+
+def _into(value: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return value
+    out.copy_(value.view(out.shape))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, D] whose per-token [H, D] is contiguous; copies only when it is not."""
+    _, _, heads, dim = x.shape
+    if x.stride(3) == 1 and x.stride(2) == dim:
+        return x
+    return x.contiguous()
+
+
+def _flags(has_initial_state: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    if has_initial_state is None:
+        return None
+    return has_initial_state.to(device=device, dtype=torch.uint8).contiguous()

@@ -1,0 +1,160 @@
+"""Torch references of the ``atom._C`` kernels, with the kernels' exact signatures.
+
+They run anywhere (CPU or GPU), compute in fp32 and round where the model's
+own reference path rounds, and are what ``tests/test_kernels_gpu.py``
+compares each kernel with. They are written for clarity, not speed (host
+loops, host syncs).
+
+Slot layout shared by ``kda_decode_ref`` and ``conv1d_update_ref``::
+
+    slot_ids [B] or [B, 1]   read slot_ids[b], write the state after the last token back
+    slot_ids [B, T]          read slot_ids[b, 0]; the state after token t goes to
+                             slot_ids[b, t] (1 + k speculative slots: after verification
+                             the accepted prefix's state is already in its slot)
+    slot_ids[b, 0] < 0       padding row: output zeros, no state read or written
+    has_initial_state[b]     False: start from zeros instead of the slot's contents
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, as atom.ops.kda.l2norm."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _slot_rows(slot_ids: torch.Tensor, batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(slot ids [B, cols] int64, indices of non-padding rows, per-token writes?)"""
+    ids = slot_ids.reshape(batch, -1).long()
+    if ids.shape[1] not in (1, tokens):
+        raise ValueError(f"slot_ids must be [B], [B, 1] or [B, T={tokens}], got {tuple(slot_ids.shape)}")
+    rows = (ids[:, 0] >= 0).nonzero().flatten()
+    return ids, rows, ids.shape[1] == tokens and tokens > 1
+
+
+def _initial(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, has_initial_state) -> torch.Tensor:
+    state = pool[ids[rows, 0]].float()
+    if has_initial_state is not None:
+        keep = has_initial_state.to(device=pool.device, dtype=torch.bool)[rows]
+        state = torch.where(keep.view(-1, *([1] * (state.dim() - 1))), state, torch.zeros_like(state))
+    return state
+
+
+def kda_decode_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """KDA decode step in place on ``state_pool`` [slots, H, K, V] fp32; returns o [B, T, H, V] in v's dtype.
+
+    q, k: [B, T, H, K] raw (normalised here: l2norm, q also * scale, K^-0.5 by
+    default); v: [B, T, H, V]; g: [B, T, H, K] fp32 log-decay; beta: [B, T, H].
+    Per token: S = exp(g) S; u = beta (v - S^T k); S += k u^T; o = S^T q.
+    """
+    batch, tokens, heads, key_dim = q.shape
+    scale = key_dim**-0.5 if scale is None else scale
+    ids, rows, per_token = _slot_rows(slot_ids, batch, tokens)
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if rows.numel() == 0:
+        return out
+    state = _initial(state_pool, ids, rows, has_initial_state)  # [R, H, K, V]
+    qn = l2norm(q[rows].float(), eps) * scale
+    kn = l2norm(k[rows].float(), eps)
+    vf, gf, bf = v[rows].float(), g[rows].float(), beta[rows].float()
+    for t in range(tokens):
+        state = state * gf[:, t].exp().unsqueeze(-1)
+        predicted = torch.einsum("bhkv,bhk->bhv", state, kn[:, t])
+        update = (vf[:, t] - predicted) * bf[:, t].unsqueeze(-1)
+        state = state + kn[:, t].unsqueeze(-1) * update.unsqueeze(-2)
+        out[rows, t] = torch.einsum("bhkv,bhk->bhv", state, qn[:, t]).to(v.dtype)
+        if per_token:
+            state_pool[ids[rows, t]] = state.to(state_pool.dtype)
+    if not per_token:
+        state_pool[ids[rows, 0]] = state.to(state_pool.dtype)
+    return out
+
+
+def conv1d_update_ref(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d + SiLU for decode, in place on ``conv_pool`` [slots, C, W-1].
+
+    x: [B, T, C] new raw inputs; weight: [C, W]. Per token: window = [state, x_t];
+    y = silu(round(sum(weight * window))) (fp32 sum, rounded to x's dtype as
+    torch's conv1d output is); state = window[1:]. Returns y [B, T, C].
+    """
+    batch, tokens, _ = x.shape
+    ids, rows, per_token = _slot_rows(slot_ids, batch, tokens)
+    out = torch.zeros_like(x)
+    if rows.numel() == 0:
+        return out
+    state = _initial(conv_pool, ids, rows, has_initial_state)  # [R, C, W-1] fp32 (values exact)
+    w = weight.float()
+    for t in range(tokens):
+        window = torch.cat([state, x[rows, t].float().unsqueeze(-1)], dim=-1)  # [R, C, W]
+        y = (window * w).sum(-1).to(x.dtype)
+        out[rows, t] = F.silu(y.float()).to(x.dtype)
+        state = window[..., 1:]
+        if per_token:
+            conv_pool[ids[rows, t]] = state.to(conv_pool.dtype)
+    if not per_token:
+        conv_pool[ids[rows, 0]] = state.to(conv_pool.dtype)
+    return out
+
+
+def gated_rmsnorm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(weight * (x * rsqrt(mean(x^2) + eps))) * sigmoid(gate), fp32 inside, in x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def mla_decode_ref(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per sequence over its first seq_lens[b] cached rows; fp32 [B, H, rank].
+
+    q_latent [B, H, rank], q_pe [B, H, rope]; latent_cache [num_blocks,
+    block_size, rank + rope]; block_tables [B, max_blocks]; seq_lens [B].
+    """
+    batch, _, rank = q_latent.shape
+    block_size = latent_cache.shape[1]
+    out = torch.zeros(q_latent.shape, dtype=torch.float32, device=q_latent.device)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
+        blocks = block_tables[b, : -(-length // block_size)].long()
+        kv = latent_cache[blocks].flatten(0, 1)[:length].float()  # [L, rank + rope]
+        q = torch.cat([q_latent[b], q_pe[b]], dim=-1).float()  # [H, rank + rope]
+        probs = torch.softmax(q @ kv.T * scale, dim=-1)
+        out[b] = probs @ kv[:, :rank]
+    return out
+
+
+def write_latent_cache_ref(
+    latent_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """latent_cache row at slot_mapping[t] = [latent[t] | rope[t]]; negative slots skipped."""
+    rows = latent_cache.view(-1, latent_cache.shape[-1])
+    keep = slot_mapping >= 0
+    values = torch.cat([latent, rope], dim=-1)[keep].to(latent_cache.dtype)
+    rows.index_copy_(0, slot_mapping[keep].long(), values)

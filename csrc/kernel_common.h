@@ -1,0 +1,92 @@
+// Device helpers shared by the kernels: element types, fp32 conversion, and
+// reductions over groups of 32 threads.
+//
+// "Warp" in these kernels always means 32 consecutive threads, also on CDNA
+// where a wavefront has 64: every shuffle passes width 32, so a 64-wide
+// wavefront runs as two independent 32-lane groups and the same source is
+// correct on both vendors.
+#pragma once
+
+#include "ops.h"
+#include "portability.h"
+
+#if defined(__HIPCC__) || defined(USE_ROCM)
+#include <hip/hip_bf16.h>
+#include <hip/hip_fp16.h>
+namespace atom {
+using bf16_t = __hip_bfloat16;
+using fp16_t = __half;
+}  // namespace atom
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+namespace atom {
+using bf16_t = __nv_bfloat16;
+using fp16_t = __half;
+}  // namespace atom
+#endif
+
+namespace atom {
+
+constexpr int kGroup = 32;  // threads per reduction group ("warp")
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16_t x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(fp16_t x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ bf16_t from_float<bf16_t>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ fp16_t from_float<fp16_t>(float x) { return __float2half(x); }
+
+// Rounds through T and back: reproduces where torch rounds an intermediate to
+// the model dtype.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
+
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int off = kGroup / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off, kGroup);
+  return v;
+}
+
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int off = kGroup / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off, kGroup));
+  return v;
+}
+
+// An int32 or int64 index array read as int64 (block tables, slot ids, lengths).
+__device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is64) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace atom
+
+// Calls F<T> with T the C++ element type of a DType code; returns an error
+// message for codes the kernel does not take.
+#define ATOM_DISPATCH_FLOAT_TYPES(code, name, ...)         \
+  [&]() -> const char* {                                   \
+    switch (code) {                                        \
+      case ::atom::kFloat32: {                             \
+        using scalar_t = float;                            \
+        return __VA_ARGS__();                              \
+      }                                                    \
+      case ::atom::kBFloat16: {                            \
+        using scalar_t = ::atom::bf16_t;                   \
+        return __VA_ARGS__();                              \
+      }                                                    \
+      case ::atom::kFloat16: {                             \
+        using scalar_t = ::atom::fp16_t;                   \
+        return __VA_ARGS__();                              \
+      }                                                    \
+      default:                                             \
+        return name ": unsupported dtype (float32, bfloat16 or float16 only)"; \
+    }                                                      \
+  }()

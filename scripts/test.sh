@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs ATOM with its test extras and runs the test suite: the one command
+# CI (.ci/run) and developers use. Extra arguments replace the default `tests`
+# path, e.g. `bash scripts/test.sh tests/test_build.py`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# torch first and pinned: any other resolution would pull a multi-GB CUDA
+# build on CPU machines. pyproject's range keeps this one.
+python -m pip install torch==2.13.0
+python -m pip install -e '.[test,mooncake]'
+
+rc=0
+python -m pytest -q -x --timeout=600 -p no:cacheprovider --durations=15 "${@:-tests}" || rc=$?
+if [[ $rc -eq 5 ]]; then
+  echo "scripts/test.sh: pytest collected no tests; failing" >&2
+  exit 1
+fi
+exit $rc

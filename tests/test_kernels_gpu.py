@@ -1,0 +1,283 @@
+"""The ``atom._C`` kernels against their torch references (``atom.ops.cuda.reference``).
+
+GPU tests (skipped without CUDA and a built ``atom._C``) draw fresh random
+inputs, poison every output with NaN first, and compare the kernel with the
+reference run on the CPU in the same dtypes: relative error
+||out - ref|| / ||ref|| < 1e-5 in fp32 and < 1e-2 in bf16. The CPU tests at
+the top tie each reference to the model's own reference path, so a kernel
+that matches its reference computes what the model computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.ops._C_loader import get_C
+from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, mla_decode, write_latent_cache
+from atom.ops.cuda import reference as ref
+
+HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "kda_decode")
+gpu = pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    out, expected = out.detach().cpu().double(), expected.detach().cpu().double()
+    assert not out.isnan().any(), "output has NaNs (unwritten elements?)"
+    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def _rand(*shape, dtype=torch.float32, device="cpu", scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype=dtype, device=device)
+
+
+# ---- references vs the model's reference path (CPU, always run) -----------------------------
+
+
+def test_kda_reference_matches_model_recurrence():
+    from atom.ops.kda import kda_recurrent, l2norm
+
+    torch.manual_seed(0)
+    B, T, H, K, V = 3, 4, 2, 16, 8
+    q, k, v = _rand(B, T, H, K), _rand(B, T, H, K), _rand(B, T, H, V)
+    g = -torch.rand(B, T, H, K)
+    beta = torch.rand(B, T, H)
+    pool = _rand(6, H, K, V)
+    slots = torch.tensor([4, 0, 2])
+    expected, final = kda_recurrent(l2norm(q) * K**-0.5, l2norm(k), v, g, beta, pool[slots].clone())
+    out = ref.kda_decode_ref(q, k, v, g, beta, pool, slots)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool[slots], final, rtol=1e-5, atol=1e-6)
+
+
+def test_conv_reference_matches_model_conv():
+    from atom.ops.kda import causal_conv1d
+
+    torch.manual_seed(0)
+    B, T, C, W = 3, 2, 10, 4
+    x, weight = _rand(B, T, C), _rand(C, W)
+    pool = _rand(5, C, W - 1)
+    slots = torch.tensor([1, 4, 0])
+    expected, new_state = causal_conv1d(x.transpose(1, 2), pool[slots].clone(), weight, torch.full((B,), T))
+    out = ref.conv1d_update_ref(x, pool, weight, slots)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool[slots], new_state, rtol=0, atol=0)
+
+
+def test_gated_norm_reference_matches_module():
+    from atom.layers.norm import GatedRMSNorm
+
+    torch.manual_seed(0)
+    norm = GatedRMSNorm(32, eps=1e-5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, gate = _rand(4, 3, 32, dtype=torch.bfloat16), _rand(4, 3, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(ref.gated_rmsnorm_ref(x, gate, norm.weight, 1e-5), norm(x, gate), rtol=0, atol=0)
+
+
+def test_mla_reference_matches_model_attention():
+    from atom.forward_context import build_attention_metadata
+    from atom.ops import split_decode_prefill
+    from atom.ops.mla import mla_attention
+
+    torch.manual_seed(0)
+    B, H, R, P, bs = 3, 4, 16, 8, 4
+    lens = [5, 1, 9]
+    cache = _rand(12, bs, R + P)
+    tables = [[3, 7], [0], [11, 2, 5]]
+    md = build_attention_metadata([1] * B, [n - 1 for n in lens], tables, [-1] * B, bs)
+    (layout,) = split_decode_prefill(md.query_start_loc, torch.device("cpu"))  # all rows decode
+    ql, qp = _rand(B, H, R), _rand(B, H, P)
+    expected = mla_attention(ql, qp, cache, md, layout, 0.3)
+    out = ref.mla_decode_ref(ql, qp, cache, md.block_tables, torch.tensor(lens), 0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_uses_reference_on_cpu():
+    torch.manual_seed(0)
+    x, gate, w = _rand(5, 8), _rand(5, 8), _rand(8)
+    torch.testing.assert_close(gated_rmsnorm(x, gate, w), ref.gated_rmsnorm_ref(x, gate, w))
+
+
+# ---- kernels vs references (GPU) --------------------------------------------------------------
+
+
+def _slot_layout(B, T, per_token, num_slots, pad_row):
+    perm = torch.randperm(num_slots)
+    cols = T if per_token else 1
+    ids = perm[: B * cols].view(B, cols).clone()
+    if pad_row is not None:
+        ids[pad_row] = -1
+    return ids
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B, T, H, K, V, per_token",
+    [
+        (1, 1, 2, 128, 128, False),  # fast path
+        (5, 1, 3, 64, 200, False),  # fast path, partial column tile
+        (7, 1, 2, 48, 40, False),  # generic kernel (odd sizes)
+        (4, 3, 32, 128, 128, True),  # 1 + 2 speculative slots, state after every token
+        (3, 2, 4, 128, 132, False),  # two tokens, final state only
+        (6, 3, 5, 24, 36, True),  # generic kernel, per-token slots
+    ],
+)
+def test_kda_decode(dtype, B, T, H, K, V, per_token):
+    torch.manual_seed(B * 100 + K + V)
+    q, k, v = _rand(B, T, H, K, dtype=dtype), _rand(B, T, H, K, dtype=dtype), _rand(B, T, H, V, dtype=dtype)
+    g = -torch.rand(B, T, H, K) * 0.5
+    beta = torch.rand(B, T, H)
+    num_slots = B * T + 3
+    pool = _rand(num_slots, H, K, V, scale=0.1)
+    ids = _slot_layout(B, T, per_token, num_slots, pad_row=B - 1 if B > 2 else None)
+    has_init = torch.rand(B) > 0.3
+    # every slot the kernel writes (other than the one it reads) starts as NaN
+    pool_gpu = pool.cuda()
+    if per_token:
+        valid = ids[:, 0] >= 0
+        pool_gpu[ids[valid][:, 1:].flatten().cuda()] = float("nan")
+        pool[ids[valid][:, 1:].flatten()] = float("nan")
+    expected_pool = pool.clone()
+    expected = ref.kda_decode_ref(q, k, v, g, beta, expected_pool, ids, has_init)
+
+    out = torch.full((B, T, H, V), float("nan"), dtype=dtype, device="cuda")
+    kda_decode(q.cuda(), k.cuda(), v.cuda(), g.cuda(), beta.cuda(), pool_gpu, ids.cuda(),
+               has_initial_state=has_init.cuda(), out=out)  # fmt: skip
+    assert rel_err(out, expected) < TOL[dtype]
+    touched = ids[ids[:, 0] >= 0].flatten()
+    assert rel_err(pool_gpu[touched.cuda()], expected_pool[touched]) < 1e-5
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[touched] = False
+    assert torch.equal(pool_gpu.cpu()[untouched].nan_to_num(7.0), pool[untouched].nan_to_num(7.0))
+
+
+@gpu
+def test_kda_decode_strided_views_of_one_conv_output():
+    # q | k | v as views into one [B, 3*H*K] tensor, no copies, as the layer would pass them
+    torch.manual_seed(1)
+    B, H, K = 9, 4, 128
+    mixed = _rand(B, 3 * H * K, dtype=torch.bfloat16, device="cuda")
+    q, k, v = (t.view(B, H, K) for t in mixed.split(H * K, dim=-1))
+    g, beta = -torch.rand(B, H, K, device="cuda"), torch.rand(B, H, device="cuda")
+    pool = _rand(B + 2, H, K, K, scale=0.1, device="cuda")
+    ids = torch.randperm(B + 2)[:B].cuda()
+    expected_pool = pool.cpu().clone()
+    expected = ref.kda_decode_ref(*(t.cpu().unsqueeze(1) for t in (q, k, v, g, beta)), expected_pool, ids.cpu())
+    out = kda_decode(q, k, v, g, beta, pool, ids)
+    assert out.shape == (B, H, K)
+    assert rel_err(out, expected.squeeze(1)) < 1e-2
+    assert rel_err(pool, expected_pool) < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B, T, C, W, per_token",
+    [(3, 1, 37, 4, False), (8, 1, 12288, 4, False), (5, 3, 100, 3, True), (4, 2, 65, 2, False), (2, 1, 7, 5, False)],
+)
+def test_conv1d_update(dtype, B, T, C, W, per_token):
+    torch.manual_seed(C + W)
+    x, weight = _rand(B, T, C, dtype=dtype), _rand(C, W, dtype=dtype)
+    num_slots = B * T + 2
+    pool = _rand(num_slots, C, W - 1, dtype=dtype)
+    ids = _slot_layout(B, T, per_token, num_slots, pad_row=0 if B > 2 else None)
+    has_init = torch.rand(B) > 0.3
+    if per_token:  # slots written after tokens 1.. start as NaN
+        valid = ids[:, 0] >= 0
+        pool[ids[valid][:, 1:].flatten()] = float("nan")
+    pool_gpu = pool.cuda()
+    expected_pool = pool.clone()
+    expected = ref.conv1d_update_ref(x, expected_pool, weight, ids, has_init)
+    out = torch.full((B, T, C), float("nan"), dtype=dtype, device="cuda")
+    conv1d_update(x.cuda(), pool_gpu, weight.cuda(), ids.cuda(), has_initial_state=has_init.cuda(), out=out)
+    assert rel_err(out, expected) < TOL[dtype]
+    assert torch.equal(pool_gpu.cpu(), expected_pool)  # state values are copies: exact
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 3, 128), (7, 100), (2, 33, 64), (1, 1, 24)])
+def test_gated_rmsnorm(dtype, shape):
+    torch.manual_seed(sum(shape))
+    x = _rand(*shape, dtype=dtype)
+    gate_full = _rand(*shape[:-2], shape[-2] * shape[-1], dtype=dtype) if len(shape) > 2 else _rand(*shape, dtype=dtype)
+    gate = gate_full.view(shape)
+    weight = _rand(shape[-1], dtype=dtype)
+    expected = ref.gated_rmsnorm_ref(x, gate, weight, 1e-6)
+    out = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    gated_rmsnorm(x.cuda(), gate_full.cuda().view(shape), weight.cuda(), 1e-6, out=out)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+@gpu
+def test_gated_rmsnorm_strided_rows():
+    torch.manual_seed(3)
+    base = _rand(6, 2, 128, dtype=torch.bfloat16, device="cuda")
+    x = base[:, 0]  # rows 256 elements apart
+    gate = _rand(6, 128, dtype=torch.bfloat16, device="cuda")
+    w = _rand(128, dtype=torch.bfloat16, device="cuda")
+    assert rel_err(gated_rmsnorm(x, gate, w), ref.gated_rmsnorm_ref(x.cpu(), gate.cpu(), w.cpu())) < 1e-2
+
+
+def _paged_cache(lens, block_size, row, dtype, extra_blocks=3):
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + extra_blocks
+    cache = _rand(num_blocks, block_size, row, dtype=dtype)
+    perm = torch.randperm(num_blocks)
+    width = max(need + [1])
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    start = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[start : start + n]
+        start += n
+    return cache, tables
+
+
+@gpu
+@pytest.mark.parametrize(
+    "dtype, R, P, H, block_size, lens, splits",
+    [
+        (torch.bfloat16, 512, 64, 32, 16, [1, 63, 64, 65, 1000], None),  # tensor cores, auto splits
+        (torch.bfloat16, 512, 64, 32, 64, [2048, 17, 300], 1),  # tensor cores, one split
+        (torch.bfloat16, 512, 64, 40, 16, [500, 129, 0, 7], 3),  # two head groups, empty row, splits
+        (torch.bfloat16, 512, 64, 16, 7, [333, 1, 90], 7),  # odd block size, more splits than tiles
+        (torch.float32, 512, 64, 8, 16, [100, 257, 3], None),  # CUDA-core kernel
+        (torch.float32, 48, 16, 3, 5, [11, 1, 40], 2),  # CUDA-core kernel, odd sizes
+        (torch.bfloat16, 100, 28, 5, 16, [70, 33], None),  # CUDA-core kernel, bf16
+    ],
+)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode(dtype, R, P, H, block_size, lens, splits, out_dtype):
+    torch.manual_seed(R + H + len(lens))
+    cache, tables = _paged_cache(lens, block_size, R + P, dtype)
+    B = len(lens)
+    ql, qp = _rand(B, H, R, dtype=dtype), _rand(B, H, P, dtype=dtype)
+    scale = (128 + P) ** -0.5
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, scale)
+    out = torch.full((B, H, R), float("nan"), dtype=out_dtype, device="cuda")
+    mla_decode(ql.cuda(), qp.cuda(), cache.cuda(), tables.cuda(), seq_lens.cuda(), scale, num_splits=splits, out=out)
+    tol = TOL[torch.bfloat16] if torch.bfloat16 in (dtype, out_dtype) else TOL[torch.float32]
+    assert rel_err(out, expected) < tol
+    assert torch.equal(out[seq_lens.cuda() == 0].cpu(), torch.zeros_like(out[seq_lens.cuda() == 0].cpu()))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_latent_cache(dtype):
+    torch.manual_seed(5)
+    num_blocks, block_size, R, P, T = 6, 16, 512, 64, 9
+    cache = torch.full((num_blocks, block_size, R + P), float("nan"), dtype=dtype)
+    kv = _rand(T, R + P + 3, dtype=dtype)  # latent and rope as strided views of one projection
+    latent, rope = kv[:, :R], kv[:, R : R + P]
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    slots[4] = -1
+    expected = cache.clone()
+    ref.write_latent_cache_ref(expected, latent, rope, slots)
+    cache_gpu = cache.cuda()
+    kv_gpu = kv.cuda()
+    write_latent_cache(cache_gpu, kv_gpu[:, :R], kv_gpu[:, R : R + P], slots.cuda())
+    assert torch.equal(cache_gpu.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
