@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -61,12 +62,31 @@ class LLM:
             raise ValueError(f"got {n} prompts but {len(params)} sampling params; pass one or one per prompt")
         return params
 
+    def _steps(self):
+        """Step outputs until no request is left; with async_scheduling, step N+1 is
+        planned and queued on the forward thread before step N's results are applied."""
+        core = self.engine
+        if not self.config.async_scheduling:
+            while core.has_unfinished_requests():
+                yield core.step()
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward") as pool:
+            inflight = None
+            while inflight is not None or core.has_unfinished_requests():
+                nxt = None
+                if core.has_unfinished_requests():
+                    sched = core.schedule()
+                    nxt = (sched, pool.submit(core.execute, sched))
+                if inflight is not None:
+                    yield core.update(inflight[0], inflight[1].result())
+                inflight = nxt
+
     def _run(self, requests, show_progress: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(requests), desc="Processed prompts", disable=not show_progress)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+            for outputs in self._steps():
+                for out in outputs:
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)

@@ -78,3 +78,24 @@ def test_seeded_sampling_is_independent_of_batch(ckpt, make_llm):
     assert mixed[1].outputs[0].token_ids == alone
     again = llm.generate(_inputs()[::-1], [other, other, other, other, seeded, other])
     assert again[4].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("budget", [7, 4096])
+def test_overlap_equals_no_overlap(ckpt, budget, make_llm):
+    stops = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reference = _tokens(make_llm(ckpt, max_num_batched_tokens=budget).generate(_inputs(), stops))
+    llm = make_llm(ckpt, max_num_batched_tokens=budget, async_scheduling=True)
+    assert _tokens(llm.generate(_inputs(), stops)) == reference
+
+
+def test_overlap_with_preemption_and_stops(ckpt, make_llm):
+    ref_llm = make_llm(ckpt)
+    reference = ref_llm.generate(_inputs(), GREEDY)
+    # A stop token found one step late must not leak the extra token the next step computed.
+    stop_ids = [reference[1].outputs[0].token_ids[5]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=stop_ids)
+    want = _tokens(ref_llm.generate(_inputs(), params))
+    llm = make_llm(ckpt, block_size=4, num_gpu_blocks=16, max_model_len=64, async_scheduling=True)
+    got = llm.generate(_inputs(), params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(got) == want

@@ -10,6 +10,8 @@ that matches its reference computes what the model computes.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,7 +27,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
     out, expected = out.detach().cpu().double(), expected.detach().cpu().double()
     assert not out.isnan().any(), "output has NaNs (unwritten elements?)"
-    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    err = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    print(f"REL_ERR {test} {err:.2e}")  # shown with `pytest -s`; GPU_NOTES.md quotes these
+    return err
 
 
 def _rand(*shape, dtype=torch.float32, device="cpu", scale=1.0):

@@ -116,6 +116,12 @@ class AsyncEngine:
             if not finished:
                 self.core.abort_request(request_id)
 
+    def _publish(self, outputs) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
     def abort(self, request_id: str) -> None:
         out = self.core.abort_request(request_id)
         queue = self._queues.get(request_id)
@@ -124,20 +130,27 @@ class AsyncEngine:
 
     # -- the step loop -------------------------------------------------------------
     async def _run(self) -> None:
+        """Schedule, run, update. With overlap, step N+1 is planned and queued on the
+        forward thread before step N's results are applied; its not-yet-known tokens
+        are placeholders the runner fills in (see Scheduler)."""
         loop = asyncio.get_running_loop()
+        overlap = self.config.async_scheduling
+        inflight = None  # (SchedulerOutput, Future) of the step running now
         try:
             while True:
-                if not self.core.has_unfinished_requests():
+                if inflight is None and not self.core.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                sched = self.core.schedule()
-                result = await loop.run_in_executor(self._executor, self.core.execute, sched)
-                self.num_steps += 1
-                for out in self.core.update(sched, result):
-                    queue = self._queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                nxt = None
+                if (overlap or inflight is None) and self.core.has_unfinished_requests():
+                    sched = self.core.schedule()
+                    nxt = (sched, loop.run_in_executor(self._executor, self.core.execute, sched))
+                if inflight is not None:
+                    sched, future = inflight
+                    self._publish(self.core.update(sched, await future))
+                    self.num_steps += 1
+                inflight = nxt
                 await asyncio.sleep(0)  # let consumers and new requests in between steps
         except asyncio.CancelledError:
             raise

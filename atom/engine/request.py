@@ -56,6 +56,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens being sampled by a step still in flight (overlap): known to exist, not yet known.
+    num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # first slot of this request's recurrent-state group
     num_preemptions: int = 0

@@ -25,7 +25,13 @@ from collections import deque
 from atom.config import EngineConfig
 from atom.engine.kv_cache_manager import KVCacheManager
 from atom.engine.request import Request, RequestStatus
-from atom.engine.scheduler_output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from atom.engine.scheduler_output import (
+    PLACEHOLDER,
+    NewRequestData,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
@@ -57,6 +63,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self._sent_to_runner.discard(request_id)
         self._finished_since_last_step.add(request_id)
         return request
 
@@ -75,7 +82,8 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        known = request.num_tokens + request.num_pending_tokens
+        return min(known - request.num_computed_tokens, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for request in list(self.running):
@@ -118,12 +126,16 @@ class Scheduler:
 
     def _emit(self, request: Request, n: int, out: SchedulerOutput) -> None:
         start = request.num_computed_tokens
-        if request.request_id not in self._sent_to_runner:
+        if request.request_id not in self._sent_to_runner or start == 0:
+            # First schedule, or resuming after preemption: (re)send the request in full.
             self._sent_to_runner.add(request.request_id)
             out.new_requests.append(
-                NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params)
+                NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                               list(request.output_token_ids))
             )
         tokens = request.all_token_ids[start : start + n]
+        tokens += [PLACEHOLDER] * (n - len(tokens))  # sampled by the step in flight
+        sample = start + n == request.num_tokens + request.num_pending_tokens
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -131,16 +143,18 @@ class Scheduler:
                 context_len=start,
                 block_ids=list(request.block_ids),
                 state_slot=-1 if request.state_slot is None else request.state_slot,
-                sample=start + n == request.num_tokens,
+                sample=sample,
                 prompt_logprobs=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
             )
         )
         request.num_computed_tokens += n
+        request.num_pending_tokens += int(sample)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # an in-flight sample for it is discarded
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -158,9 +172,10 @@ class Scheduler:
             if s.request_id in result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs[s.request_id])
             self.kv.cache_full_blocks(request)
-            token = result.sampled.get(s.request_id)
+            token = result.sampled.get(s.request_id) if s.sample else None
             if token is None:
                 continue
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token)
             if s.request_id in result.logprobs:
                 request.logprobs.append(result.logprobs[s.request_id])

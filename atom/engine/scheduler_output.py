@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from atom.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a token sampled by the step still in flight (overlap); the runner fills it in
+
+
 @dataclass
 class NewRequestData:
     """Sent the first time a request is scheduled; the runner keeps it until the request finishes."""
@@ -18,12 +21,15 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Outputs so far: non-empty when a preempted request resumes, so the runner's copy
+    # (used for penalties and placeholders) matches the scheduler's exactly.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the tokens computed this step
+    token_ids: list[int]  # the tokens computed this step; PLACEHOLDER = "the token you sampled last"
     context_len: int  # tokens already in the cache (num_computed_tokens before this step)
     block_ids: list[int]  # the request's whole block table
     state_slot: int  # first slot of its recurrent-state group, -1 if the model has none

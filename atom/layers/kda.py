@@ -47,7 +47,7 @@ class KimiDeltaAttention(nn.Module):
         def linear(n_in: int, n_out: int) -> nn.Linear:
             return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
 
-        self.q_proj, self.k_proj, self.v_proj = linear(hidden_size, dim), linear(hidden_size, dim), linear(hidden_size, dim)
+        self.q_proj, self.k_proj, self.v_proj = (linear(hidden_size, dim) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (_DepthwiseConv(dim, conv_kernel_size, dtype) for _ in range(3))
         # decay gate: g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), per channel
         self.f_a_proj, self.f_b_proj = linear(hidden_size, head_dim), linear(head_dim, dim)
@@ -81,8 +81,9 @@ class KimiDeltaAttention(nn.Module):
 
     def _recur(self, mixed, g, beta, continuing, layout: PaddedLayout) -> torch.Tensor:
         """Short conv + delta rule for one group of sequences, through their state slots. Returns [T', H, V] fp32."""
-        conv_pool, state_pool = get_forward_context().caches[self.layer_idx]
-        slots = get_forward_context().attn_metadata.state_slots[layout.seq_ids]
+        ctx = get_forward_context()
+        conv_pool, state_pool = ctx.caches[self.layer_idx]
+        slots = ctx.attn_metadata.state_slots[layout.seq_ids]
         keep = continuing[layout.seq_ids]
         conv_state = torch.where(keep[:, None, None], conv_pool[slots], 0)
         state = torch.where(keep[:, None, None, None], state_pool[slots], 0)

@@ -110,7 +110,9 @@ class RoutedExperts(nn.ModuleList):
             token, slot = torch.where(ids == expert)
             gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+            # index_put_(accumulate) rather than index_add_: same sums (a token picks an expert
+            # once), but index_add_ on CPU is pathologically slow for small tensors under load.
+            out.index_put_((token,), (y * weights[token, slot, None]).to(x.dtype), accumulate=True)
         return out
 
 

@@ -181,7 +181,9 @@ def _feed_forward(args: KimiLinearArgs, layer_idx: int, dtype: torch.dtype) -> n
         args.norm_topk_prob,
         args.routed_scaling_factor,
     )
-    return SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.n_shared_experts, router, dtype)
+    return SparseMoE(
+        args.hidden_size, args.moe_intermediate_size, args.num_experts, args.n_shared_experts, router, dtype
+    )
 
 
 class KimiLinearModel(nn.Module):

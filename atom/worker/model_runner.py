@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom.config import EngineConfig
-from atom.engine.scheduler_output import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from atom.engine.scheduler_output import PLACEHOLDER, NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
@@ -62,9 +62,14 @@ class ModelRunner:
             self.requests[new.request_id] = self._new_state(new)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
-        seed = new.sampling_params.seed
-        gen = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-        return CachedRequestState(new.prompt_token_ids, new.sampling_params, gen)
+        old = self.requests.get(new.request_id)
+        if old is not None:  # resumed after preemption: keep the generator's position
+            gen = old.generator
+        elif new.sampling_params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+        else:
+            gen = None
+        return CachedRequestState(new.prompt_token_ids, new.sampling_params, gen, list(new.output_token_ids))
 
     # -- one step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -93,7 +98,11 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         for s in rows:
-            ids.extend(s.token_ids)
+            if PLACEHOLDER in s.token_ids:  # sampled by the previous step, which has finished by now
+                last = self.requests[s.request_id].output_token_ids[-1]
+                ids.extend(last if t == PLACEHOLDER else t for t in s.token_ids)
+            else:
+                ids.extend(s.token_ids)
             pos.extend(range(s.context_len, s.context_len + len(s.token_ids)))
         return (
             torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -1,0 +1,167 @@
+"""Decode throughput on one GPU: ATOM's engine vs transformers' generate, same model, same run.
+
+    python bench/decode_gpu.py                       # batch 1, 16, 64; 64 prompt + 64 new tokens
+    python bench/decode_gpu.py --batches 1,16 --output-len 32 --skip-hf
+
+The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
+2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
+bf16), written once to --ckpt. Decode tokens/s is measured as
+batch * N / (t(prefill + N + 1 tokens) - t(prefill + 1 token)), so prefill
+cost cancels; prefix caching is off so both runs prefill fully. The roofline
+is the bytes one decode step must read and write (weights, with the experts a
+batch is expected to touch, plus each sequence's KV rows and KDA state) over
+the copy bandwidth measured here; its fraction is measured / roofline tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NUM_LAYERS, MLA_LAYERS, EXPERTS, TOP_K = 8, (3, 7), 16, 4
+
+
+def make_model(path: str, seed: int = 0):
+    """The random checkpoint on the GPU in bf16, saved to ``path`` (reused when present)."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    config = KimiLinearConfig(
+        vocab_size=32000, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+        num_hidden_layers=NUM_LAYERS,
+        layer_types=["full_attention" if i in MLA_LAYERS else "linear_attention" for i in range(NUM_LAYERS)],
+        num_attention_heads=32, linear_num_heads=32, linear_head_dim=128,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=1, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = KimiLinearForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # slower decay than HF's init, as tests/checkpoints.py
+                p.uniform_(-3.0, 0.0)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        model.save_pretrained(path)
+    return model
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step must move: weights (touched experts only, no embedding table) + caches."""
+    cfg = model.config
+    touched = EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** batch)
+    weights = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        frac = touched / EXPERTS if ("experts" in name and "shared" not in name) else 1.0
+        weights += int(p.numel() * p.element_size() * frac)
+    kda_layers = NUM_LAYERS - len(MLA_LAYERS)
+    state = cfg.linear_num_heads * cfg.linear_head_dim**2 * 4 * 2  # fp32, read + write
+    conv = 3 * cfg.linear_num_heads * cfg.linear_head_dim * 3 * 2 * 2
+    kv = context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    return weights + batch * (kda_layers * (state + conv) + len(MLA_LAYERS) * kv)
+
+
+def copy_gbps() -> float:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * n * 10 / (time.perf_counter() - t) / 1e9
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int) -> float:
+    from atom import LLM, SamplingParams
+
+    batch = len(prompts)
+    max_len = len(prompts[0]) + new_tokens + 8
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=max_len,
+              max_num_batched_tokens=max(2048, batch * len(prompts[0])), enable_prefix_caching=False)  # fmt: skip
+
+    def run(n):
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    run(2)  # warm-up
+    t1 = timed(lambda: run(1))
+    tn = timed(lambda: run(1 + new_tokens))
+    del llm
+    torch.cuda.empty_cache()
+    return batch * new_tokens / (tn - t1)
+
+
+def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+
+    def run(n):
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)  # fmt: skip
+
+    run(2)
+    t1 = timed(lambda: run(1))
+    tn = timed(lambda: run(1 + new_tokens))
+    return len(prompts) * new_tokens / (tn - t1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-atom", action="store_true")
+    args = p.parse_args()
+
+    ceiling = copy_gbps()
+    model = make_model(args.ckpt)
+    n_params = sum(x.numel() for x in model.parameters())
+    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, model {n_params / 1e9:.2f}B params")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()
+        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
+        atom = None
+        if not args.skip_atom:
+            try:
+                atom = atom_decode_tps(args.ckpt, prompts, args.output_len)
+            except Exception as e:  # report and keep the HF numbers
+                print(f"atom failed at batch {batch}: {type(e).__name__}: {e}")
+        context = args.input_len + args.output_len // 2
+        roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
+        rows.append((batch, atom, hf, roof))
+        print(f"batch {batch}: atom {atom}, hf {hf}, roofline {roof:.0f} tok/s", flush=True)
+
+    print(f"\n{'batch':>5} {'atom tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9}")
+    for batch, atom, hf, roof in rows:
+        fmt = lambda x, w: f"{x:{w}.0f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
+        ratio = f"{atom / hf:6.2f}" if atom and hf else f"{'-':>6}"
+        frac = f"{atom / roof:9.1%}" if atom else f"{'-':>9}"
+        print(f"{batch:>5} {fmt(atom, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} {frac}")
+
+
+if __name__ == "__main__":
+    main()

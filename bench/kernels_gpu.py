@@ -1,0 +1,212 @@
+"""Achieved bandwidth of the atom._C kernels against a copy ceiling measured in the same run.
+
+    python bench/kernels_gpu.py                 # every kernel, default sizes
+    python bench/kernels_gpu.py --json out.json
+
+Each row: the fewest bytes the op must move through device memory (every
+input read once, every output written once) over its median time, and that
+as a fraction of the ceiling: a large device-to-device copy, counting bytes
+read plus bytes written. Kernels are launched through ``atom._C`` directly
+with precomputed pointers, so Python wrapper overhead is not in the times;
+L2 is flushed (a 256 MiB write) before every timed launch, as
+``triton.testing.do_bench`` does. Realistic Kimi-Linear sizes: KDA H=32,
+K=V=128 (fp32 state, bf16 activations); MLA H=32, rank 512 + rope 64, bf16
+cache, block size 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from atom.ops._C_loader import get_C  # noqa: E402
+from atom.ops.cuda._launch import dtype_code  # noqa: E402
+from atom.ops.cuda.mla import _num_sms, choose_num_splits  # noqa: E402
+
+_FLUSH = None
+
+
+def time_us(fn, reps: int = 40, warmup: int = 5) -> float:
+    """Median microseconds of fn() on the current stream, L2 flushed before each launch."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        _FLUSH.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def copy_ceiling() -> tuple[float, float]:
+    """(GB/s read + write, microseconds) of a 1 GiB device-to-device copy."""
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), reps=20)
+    del src, dst
+    return 2 * n / us / 1e3, us
+
+
+def stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def bench_kda(C, batch: int, tokens: int = 1, heads: int = 32, dim: int = 128, per_token: bool = False) -> dict:
+    bf16 = torch.bfloat16
+    q = torch.randn(batch, tokens, heads, dim, dtype=bf16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    g = -torch.rand(batch, tokens, heads, dim, device="cuda")
+    beta = torch.rand(batch, tokens, heads, device="cuda")
+    cols = tokens if per_token else 1
+    pool = torch.randn(batch * cols + 8, heads, dim, dim, device="cuda") * 0.1
+    ids = torch.randperm(batch * cols + 8, device="cuda")[: batch * cols].view(batch, cols).contiguous()
+    out = torch.empty(batch, tokens, heads, dim, dtype=bf16, device="cuda")
+    sb, st = q.stride(0), q.stride(1)
+
+    def run():
+        C.kda_decode(q.data_ptr(), sb, st, k.data_ptr(), sb, st, v.data_ptr(), sb, st, g.data_ptr(),
+                     beta.data_ptr(), pool.data_ptr(), pool.stride(0), ids.data_ptr(), cols, 0, out.data_ptr(),
+                     batch, tokens, heads, dim, dim, dim**-0.5, 1e-6, dtype_code(bf16), stream())  # fmt: skip
+
+    state_bytes = heads * dim * dim * 4
+    moved = batch * state_bytes * (1 + cols)  # read once, write after each kept token
+    moved += sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, out))
+    name = f"kda_decode B={batch} T={tokens}{' per-token slots' if per_token else ''}"
+    return {"op": name, "bytes": moved, "us": time_us(run)}
+
+
+def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
+    bf16 = torch.bfloat16
+    x = torch.randn(batch, 1, channels, dtype=bf16, device="cuda")
+    w = torch.randn(channels, width, dtype=bf16, device="cuda")
+    pool = torch.randn(batch + 8, channels, width - 1, dtype=bf16, device="cuda")
+    ids = torch.randperm(batch + 8, device="cuda")[:batch].contiguous()
+    out = torch.empty_like(x)
+
+    def run():
+        C.conv1d_update(x.data_ptr(), pool.data_ptr(), pool.stride(0), w.data_ptr(), ids.data_ptr(), 1, 0,
+                        out.data_ptr(), batch, 1, channels, width, dtype_code(bf16), stream())  # fmt: skip
+
+    moved = 2 * batch * channels * (width - 1) * 2 + (x.numel() + out.numel() + w.numel()) * 2
+    return {"op": f"conv1d_update B={batch} C={channels} W={width}", "bytes": moved, "us": time_us(run)}
+
+
+def bench_norm(C, rows: int, dim: int = 128) -> dict:
+    bf16 = torch.bfloat16
+    x = torch.randn(rows, dim, dtype=bf16, device="cuda")
+    gate, out = torch.randn_like(x), torch.empty_like(x)
+    w = torch.randn(dim, dtype=bf16, device="cuda")
+
+    def run():
+        C.gated_rmsnorm(x.data_ptr(), dim, gate.data_ptr(), dim, w.data_ptr(), out.data_ptr(), dim, rows, dim,
+                        1e-6, dtype_code(bf16), stream())  # fmt: skip
+
+    return {"op": f"gated_rmsnorm rows={rows} D={dim}", "bytes": 3 * rows * dim * 2, "us": time_us(run)}
+
+
+def bench_mla(C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None) -> dict:
+    bf16 = torch.bfloat16
+    rank, rope = 512, 64
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq
+    cache = torch.randn(num_blocks, block_size, rank + rope, dtype=bf16, device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda").view(batch, per_seq).to(torch.int32).contiguous()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    ql = torch.randn(batch, heads, rank, dtype=bf16, device="cuda")
+    qp = torch.randn(batch, heads, rope, dtype=bf16, device="cuda")
+    out = torch.empty(batch, heads, rank, dtype=bf16, device="cuda")
+    if splits is None:
+        splits = choose_num_splits(batch, heads, context, _num_sms(torch.device("cuda")), True)
+    o_part = torch.empty(batch, splits, heads, rank, device="cuda")
+    lse = torch.empty(batch, splits, heads, device="cuda")
+
+    def run():
+        C.mla_decode(ql.data_ptr(), qp.data_ptr(), cache.data_ptr(), cache.stride(0), cache.stride(1), block_size,
+                     tables.data_ptr(), tables.stride(0), dtype_code(torch.int32), seq_lens.data_ptr(),
+                     dtype_code(torch.int32), out.data_ptr(), o_part.data_ptr(), lse.data_ptr(), batch, heads,
+                     rank, rope, splits, (128 + rope) ** -0.5, dtype_code(bf16), dtype_code(bf16), True,
+                     stream())  # fmt: skip
+
+    moved = batch * context * (rank + rope) * 2 + (ql.numel() + qp.numel() + out.numel()) * 2
+    flops = batch * heads * context * 2 * (rank + rope + rank)
+    us = time_us(run)
+    return {"op": f"mla_decode B={batch} ctx={context} bs={block_size} splits={splits}", "bytes": moved, "us": us,
+            "tflops": flops / us / 1e6}
+
+
+def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
+    cache = torch.randint(0, 255, (num * 2, block_bytes), dtype=torch.uint8, device="cuda")
+    staging = torch.empty(num, block_bytes, dtype=torch.uint8, device="cuda")
+    ids = torch.randperm(num * 2, device="cuda")[:num].contiguous()
+    fn = C.gather_blocks if gather else C.scatter_blocks
+
+    def run():
+        fn(cache.data_ptr(), block_bytes, ids.data_ptr(), num, staging.data_ptr(), block_bytes, stream())
+
+    kind = "gather_blocks" if gather else "scatter_blocks"
+    return {"op": f"{kind} n={num} x {block_bytes} B", "bytes": 2 * num * block_bytes, "us": time_us(run)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--quick", action="store_true", help="fewer sizes")
+    args = p.parse_args()
+    C = get_C()
+    if C is None or not torch.cuda.is_available():
+        sys.exit("bench/kernels_gpu.py needs a CUDA GPU and a built atom._C")
+
+    ceiling, copy_us = copy_ceiling()
+    print(f"device: {torch.cuda.get_device_name()}  SMs: {_num_sms(torch.device('cuda'))}")
+    print(f"copy ceiling: {ceiling:.0f} GB/s read+write (1 GiB copy, {copy_us:.0f} us)")
+    rows = []
+    batches = [1, 16, 64, 128] if not args.quick else [1, 64]
+    for b in batches:
+        rows.append(bench_kda(C, b))
+    rows.append(bench_kda(C, 64, tokens=3, per_token=True))
+    rows.append(bench_kda(C, 64, tokens=3, per_token=False))
+    for ctx in (2048, 4096):
+        for b in batches:
+            rows.append(bench_mla(C, b, ctx))
+    rows.append(bench_mla(C, 64, 4096, block_size=64))
+    rows.append(bench_mla(C, 64, 4096, splits=1))
+    rows.append(bench_mla(C, 64, 4096, splits=4))
+    for b in (1, 64):
+        rows.append(bench_conv(C, b))
+    rows.append(bench_norm(C, 64 * 32))
+    rows.append(bench_norm(C, 1 << 20))
+    mla_block = 16 * 576 * 2
+    rows.append(bench_blocks(C, 4096, mla_block, gather=True))
+    rows.append(bench_blocks(C, 4096, mla_block, gather=False))
+    slot_bytes = 32 * 128 * 128 * 4
+    rows.append(bench_blocks(C, 64, slot_bytes, gather=True))
+    rows.append(bench_blocks(C, 64, slot_bytes, gather=False))
+
+    print(f"\n{'op':<52} {'us':>9} {'MB':>9} {'GB/s':>7} {'ceil%':>6} {'TFLOP/s':>8}")
+    for r in rows:
+        r["gbps"] = r["bytes"] / r["us"] / 1e3
+        r["frac"] = r["gbps"] / ceiling
+        tf = f"{r['tflops']:8.1f}" if "tflops" in r else ""
+        print(f"{r['op']:<52} {r['us']:9.1f} {r['bytes'] / 1e6:9.2f} {r['gbps']:7.0f} {100 * r['frac']:5.1f}% {tf}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "ceiling_gbps": ceiling, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
