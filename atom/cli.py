@@ -14,7 +14,6 @@ import dataclasses
 import errno
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -99,7 +98,7 @@ def _engine_flags() -> argparse.ArgumentParser:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(methods: ngram, mtp); validated only for now: drafting is not implemented yet")
     g.add_argument("--async-scheduling", action="store_true", default=None,
-                   help="plan the next step while the current one runs (accepted; no effect yet)")
+                   help="overlap: plan and queue the next step while the current one runs")
     return parent
 
 

@@ -135,7 +135,8 @@ class EngineConfig:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-(self.max_model_len + self.num_speculative_tokens) // self.block_size)
+        # drafts under verification plus as many lookahead positions for chained drafting
+        return -(-(self.max_model_len + 2 * self.num_speculative_tokens) // self.block_size)
 
     @property
     def slots_per_request(self) -> int:

@@ -31,8 +31,17 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
-    state_slots: torch.Tensor  # [B] int64 recurrent-state slot per sequence (-1: none)
+    state_slots: torch.Tensor  # [B] int64 slot holding each sequence's state before this step (-1: none)
     block_size: int
+    # Where the state goes after the step: the final state to state_out_slots[b]; for the
+    # sequences in per_token_state_seqs (speculative verification) the state after their
+    # token j goes to state_out_slots[b] + j, so the next step can resume from any accepted one.
+    state_out_slots: torch.Tensor | None = None
+    per_token_state_seqs: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.state_out_slots is None:
+            self.state_out_slots = self.state_slots
 
     @property
     def num_seqs(self) -> int:
@@ -81,6 +90,8 @@ def build_attention_metadata(
     state_slots: list[int],
     block_size: int,
     device: torch.device | str = "cpu",
+    state_out_slots: list[int] | None = None,
+    per_token_state_seqs: tuple[int, ...] = (),
 ) -> AttentionMetadata:
     """Flat step metadata from per-sequence counters (the runner's only job here)."""
     starts = [0]
@@ -99,4 +110,7 @@ def build_attention_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         state_slots=torch.tensor(state_slots, dtype=torch.long, device=device),
         block_size=block_size,
+        state_out_slots=None if state_out_slots is None else torch.tensor(state_out_slots, dtype=torch.long,
+                                                                           device=device),
+        per_token_state_seqs=tuple(per_token_state_seqs),
     )

@@ -119,7 +119,9 @@ def bench_norm(C, rows: int, dim: int = 128) -> dict:
     return {"op": f"gated_rmsnorm rows={rows} D={dim}", "bytes": 3 * rows * dim * 2, "us": time_us(run)}
 
 
-def bench_mla(C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None) -> dict:
+def bench_mla(
+    C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None, kernel: int = 0
+) -> dict:
     bf16 = torch.bfloat16
     rank, rope = 512, 64
     per_seq = -(-context // block_size)
@@ -139,14 +141,14 @@ def bench_mla(C, batch: int, context: int, heads: int = 32, block_size: int = 16
         C.mla_decode(ql.data_ptr(), qp.data_ptr(), cache.data_ptr(), cache.stride(0), cache.stride(1), block_size,
                      tables.data_ptr(), tables.stride(0), dtype_code(torch.int32), seq_lens.data_ptr(),
                      dtype_code(torch.int32), out.data_ptr(), o_part.data_ptr(), lse.data_ptr(), batch, heads,
-                     rank, rope, splits, (128 + rope) ** -0.5, dtype_code(bf16), dtype_code(bf16), True,
+                     rank, rope, splits, (128 + rope) ** -0.5, dtype_code(bf16), dtype_code(bf16), kernel,
                      stream())  # fmt: skip
 
     moved = batch * context * (rank + rope) * 2 + (ql.numel() + qp.numel() + out.numel()) * 2
     flops = batch * heads * context * 2 * (rank + rope + rank)
     us = time_us(run)
-    return {"op": f"mla_decode B={batch} ctx={context} bs={block_size} splits={splits}", "bytes": moved, "us": us,
-            "tflops": flops / us / 1e6}
+    name = f"mla_decode B={batch} ctx={context} bs={block_size} splits={splits} k={kernel}"
+    return {"op": name, "bytes": moved, "us": us, "tflops": flops / us / 1e6}
 
 
 def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
@@ -166,6 +168,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
+    p.add_argument("--only", help="run only ops whose name contains this (e.g. 'mla_decode B=64')")
     args = p.parse_args()
     C = get_C()
     if C is None or not torch.cuda.is_available():
@@ -174,28 +177,30 @@ def main() -> None:
     ceiling, copy_us = copy_ceiling()
     print(f"device: {torch.cuda.get_device_name()}  SMs: {_num_sms(torch.device('cuda'))}")
     print(f"copy ceiling: {ceiling:.0f} GB/s read+write (1 GiB copy, {copy_us:.0f} us)")
-    rows = []
     batches = [1, 16, 64, 128] if not args.quick else [1, 64]
-    for b in batches:
-        rows.append(bench_kda(C, b))
-    rows.append(bench_kda(C, 64, tokens=3, per_token=True))
-    rows.append(bench_kda(C, 64, tokens=3, per_token=False))
+    mla_block, slot_bytes = 16 * 576 * 2, 32 * 128 * 128 * 4
+    cases = [(f"kda_decode B={b} T=1", lambda b=b: bench_kda(C, b)) for b in batches]
+    cases += [
+        ("kda_decode B=64 T=3 per-token", lambda: bench_kda(C, 64, tokens=3, per_token=True)),
+        ("kda_decode B=64 T=3", lambda: bench_kda(C, 64, tokens=3, per_token=False)),
+    ]
     for ctx in (2048, 4096):
-        for b in batches:
-            rows.append(bench_mla(C, b, ctx))
-    rows.append(bench_mla(C, 64, 4096, block_size=64))
-    rows.append(bench_mla(C, 64, 4096, splits=1))
-    rows.append(bench_mla(C, 64, 4096, splits=4))
-    for b in (1, 64):
-        rows.append(bench_conv(C, b))
-    rows.append(bench_norm(C, 64 * 32))
-    rows.append(bench_norm(C, 1 << 20))
-    mla_block = 16 * 576 * 2
-    rows.append(bench_blocks(C, 4096, mla_block, gather=True))
-    rows.append(bench_blocks(C, 4096, mla_block, gather=False))
-    slot_bytes = 32 * 128 * 128 * 4
-    rows.append(bench_blocks(C, 64, slot_bytes, gather=True))
-    rows.append(bench_blocks(C, 64, slot_bytes, gather=False))
+        cases += [(f"mla_decode B={b} ctx={ctx} bs=16", lambda b=b, c=ctx: bench_mla(C, b, c)) for b in batches]
+    for k in (2, 3, 4, 5):  # MlaKernel variants, forced
+        for b in (16, 64, 128):
+            cases.append((f"mla_decode B={b} ctx=4096 bs=16 k={k}", lambda b=b, k=k: bench_mla(C, b, 4096, kernel=k)))
+    cases += [
+        ("mla_decode B=64 ctx=4096 bs=64", lambda: bench_mla(C, 64, 4096, block_size=64)),
+        ("mla_decode B=64 ctx=4096 bs=16 splits=1", lambda: bench_mla(C, 64, 4096, splits=1)),
+        ("mla_decode B=64 ctx=4096 bs=16 splits=4", lambda: bench_mla(C, 64, 4096, splits=4)),
+    ]
+    cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
+    cases += [(f"gated_rmsnorm rows={r}", lambda r=r: bench_norm(C, r)) for r in (64 * 32, 1 << 20)]
+    for gather in (True, False):
+        name = "gather_blocks" if gather else "scatter_blocks"
+        cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))
+        cases.append((f"{name} state", lambda g=gather: bench_blocks(C, 64, slot_bytes, g)))
+    rows = [run() for name, run in cases if args.only is None or args.only in name]
 
     print(f"\n{'op':<52} {'us':>9} {'MB':>9} {'GB/s':>7} {'ceil%':>6} {'TFLOP/s':>8}")
     for r in rows:

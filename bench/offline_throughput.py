@@ -38,7 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64, help="prompts per run (default: 64)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default: 64)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="ATOM's running-request cap (default: --num-requests)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="ATOM's running-request cap (default: --num-requests)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--sched-requests", type=int, default=256, help="decoding requests in the scheduler bench")
@@ -106,7 +107,7 @@ def bench_scheduler(model: str, num_requests: int, steps: int, prefix_caching: b
         t0 = time.perf_counter()
         sched = scheduler.schedule()
         t1 = time.perf_counter()
-        result = RunnerOutput(sampled={s.request_id: 7 for s in sched.scheduled if s.sample})
+        result = RunnerOutput(sampled={s.request_id: [7] for s in sched.scheduled if s.sample})
         t2 = time.perf_counter()
         scheduler.update(sched, result)
         t3 = time.perf_counter()
@@ -138,7 +139,8 @@ def main() -> None:
         rows.append(("transformers generate (batched)", hf_s))
     print(f"{'engine':<34}{'seconds':>10}{'out tok/s':>12}{'total tok/s':>13}")
     for name, seconds in rows:
-        print(f"{name:<34}{seconds:>10.2f}{n * out_len / seconds:>12.1f}{n * (args.input_len + out_len) / seconds:>13.1f}")
+        total = n * (args.input_len + out_len)
+        print(f"{name:<34}{seconds:>10.2f}{n * out_len / seconds:>12.1f}{total / seconds:>13.1f}")
     if len(rows) == 2:
         print(f"{'ATOM / transformers':<34}{'':>10}{rows[1][1] / rows[0][1]:>11.2f}x")
         same = sum(a == b for a, b in zip(atom_ids, hf_ids))

@@ -95,18 +95,18 @@ PYBIND11_MODULE(_C, m) {
          int64_t block_size, uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
          uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out, uintptr_t o_part, uintptr_t lse_part,
          int64_t batch, int64_t heads, int64_t rank, int64_t rope_dim, int64_t num_splits, double scale,
-         int dtype, int out_dtype, bool allow_tensor_cores, uintptr_t stream) {
+         int dtype, int out_dtype, int kernel, uintptr_t stream) {
         check(atom::mla_decode(q_latent, q_pe, cache, block_stride, row_stride, block_size, block_tables,
                                block_table_stride, block_table_dtype, seq_lens, seq_lens_dtype, out, o_part,
                                lse_part, batch, heads, rank, rope_dim, num_splits, scale, dtype, out_dtype,
-                               allow_tensor_cores, stream));
+                               kernel, stream));
       },
       "MLA decode attention over the paged latent cache (absorbed form)", py::arg("q_latent"), py::arg("q_pe"),
       py::arg("cache"), py::arg("block_stride"), py::arg("row_stride"), py::arg("block_size"),
       py::arg("block_tables"), py::arg("block_table_stride"), py::arg("block_table_dtype"), py::arg("seq_lens"),
       py::arg("seq_lens_dtype"), py::arg("out"), py::arg("o_part"), py::arg("lse_part"), py::arg("batch"),
       py::arg("heads"), py::arg("rank"), py::arg("rope_dim"), py::arg("num_splits"), py::arg("scale"),
-      py::arg("dtype"), py::arg("out_dtype"), py::arg("allow_tensor_cores"), py::arg("stream"));
+      py::arg("dtype"), py::arg("out_dtype"), py::arg("kernel"), py::arg("stream"));
 
   m.def("mla_decode_has_tensor_cores", &atom::mla_decode_has_tensor_cores,
         "whether mla_decode has its tensor-core kernel in this build");

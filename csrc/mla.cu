@@ -9,20 +9,15 @@
 // so a sequence's cache is read once for all its heads (multi-query shape).
 // With 32 heads that is ~60 flop per cache byte: more than CUDA cores can do
 // at HBM speed, so the bf16 512/64 case (Kimi-Linear, DeepSeek) runs on the
-// tensor cores (mma.sync m16n8k16). Tiles of 64 positions stream through a
-// two-stage cp.async ring; each block owns 32 heads and one split of the
-// positions (flash-decoding); a combine kernel merges splits by their
-// log-sum-exp. Other dtypes / sizes, and HIP, use a CUDA-core kernel.
-//
-//   block (split s, head group, b), 8 warps, per 64-position tile:
-//     S[32 x 64]  = Q[32 x 576] K^T      warp w: heads 16*(w&1).., positions 16*(w>>1)..
-//     online softmax (fp32, base 2)       warp w: rows 4w .. 4w+3
-//     O[32 x 512] = a O + P[32 x 64] C    warp w: latent columns 64w .. 64w+63
-#include "kernel_common.h"
+// tensor cores (mla_mma.cuh). Long sequences are split over several blocks
+// (flash-decoding); mla_combine_kernel merges the splits by their
+// log-sum-exp. Other dtypes and sizes, and HIP builds, use the CUDA-core
+// kernel below.
+#include "mla_common.cuh"
 
 #if !defined(__HIPCC__) && !defined(USE_ROCM)
 #define ATOM_MLA_MMA 1
-#include "mma_sm80.h"
+#include "mla_mma.cuh"
 #endif
 
 namespace atom {
@@ -115,7 +110,9 @@ __global__ void __launch_bounds__(kGenericThreads) mla_decode_generic_kernel(Mla
   }
 }
 
-// ---- merge splits: out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M). grid (H, B), block 128.
+// ---- merge splits: out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M).
+// grid (H, B), block 128; each thread owns 4 consecutive columns (rank % 4 == 0)
+// or strided single columns, and reads the splits' partials independently.
 template <typename OutT>
 __global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
   extern __shared__ float weight[];  // num_splits
@@ -135,35 +132,73 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
   float total = 0.f;
   for (int s = 0; s < S; ++s) total += weight[s];
   const float inv = 1.f / total;
-  for (int d = threadIdx.x; d < p.rank; d += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < S; ++s) {
-      if (weight[s] == 0.f) continue;  // empty split: its partial was never written
-      acc = fmaf(weight[s], p.o_part[((b * S + s) * p.heads + h) * p.rank + d], acc);
+  const float* part = p.o_part + (b * S * p.heads + h) * p.rank;  // split s at + s * heads * rank
+  const int64_t split_stride = static_cast<int64_t>(p.heads) * p.rank;
+  if (p.rank % 4 == 0) {
+    for (int d = threadIdx.x * 4; d < p.rank; d += blockDim.x * 4) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int s = 0; s < S; ++s) {
+        const float w = weight[s];
+        if (w == 0.f) continue;  // empty split: its partial was never written
+        const float4 v = *reinterpret_cast<const float4*>(part + s * split_stride + d);
+        acc = make_float4(fmaf(w, v.x, acc.x), fmaf(w, v.y, acc.y), fmaf(w, v.z, acc.z), fmaf(w, v.w, acc.w));
+      }
+      out[d] = from_float<OutT>(acc.x * inv);
+      out[d + 1] = from_float<OutT>(acc.y * inv);
+      out[d + 2] = from_float<OutT>(acc.z * inv);
+      out[d + 3] = from_float<OutT>(acc.w * inv);
     }
-    out[d] = from_float<OutT>(acc * inv);
+  } else {
+    for (int d = threadIdx.x; d < p.rank; d += blockDim.x) {
+      float acc = 0.f;
+      for (int s = 0; s < S; ++s) {
+        if (weight[s] == 0.f) continue;
+        acc = fmaf(weight[s], part[s * split_stride + d], acc);
+      }
+      out[d] = from_float<OutT>(acc * inv);
+    }
   }
 }
 
-template <typename T, typename OutT>
-const char* launch_decode(const MlaParams& p, int64_t batch, bool use_mma, cudaStream_t stream) {
 #ifdef ATOM_MLA_MMA
-  if (use_mma) {
-    const size_t smem = sizeof(mma::Smem);
-    auto kernel = mma::mla_decode_mma_kernel<OutT>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return cudaGetErrorString(err);
-    const dim3 grid(p.num_splits, static_cast<unsigned>(ceil_div(p.heads, mma::kHeads)), static_cast<unsigned>(batch));
-    kernel<<<grid, mma::kThreads, smem, stream>>>(p);
-  } else
+template <typename Kernel>
+const char* launch_mma(Kernel kernel, size_t smem, int threads, const MlaParams& p, int64_t batch,
+                       cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  const dim3 grid(p.num_splits, static_cast<unsigned>(ceil_div(p.heads, mma::kHeads)), static_cast<unsigned>(batch));
+  kernel<<<grid, threads, smem, stream>>>(p);
+  return last_launch_error();
+}
 #endif
-  {
-    (void)use_mma;
-    const size_t smem = static_cast<size_t>(p.rank + p.rope) * sizeof(float);
-    const dim3 grid(p.heads, static_cast<unsigned>(batch), p.num_splits);
-    mla_decode_generic_kernel<T, OutT><<<grid, kGenericThreads, smem, stream>>>(p);
+
+template <typename T, typename OutT>
+const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStream_t stream) {
+  const char* err = nullptr;
+  switch (kernel) {
+#ifdef ATOM_MLA_MMA
+    case kMlaTensorCores8:
+      err = launch_mma(mma::mla_decode_mma_kernel<8, false, OutT>, sizeof(mma::Smem), 8 * 32, p, batch, stream);
+      break;
+    case kMlaTensorCores16:
+      err = launch_mma(mma::mla_decode_mma_kernel<16, false, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
+      break;
+    case kMlaTensorCores8Lean:
+      err = launch_mma(mma::mla_decode_mma_kernel<8, true, OutT>, sizeof(mma::Smem), 8 * 32, p, batch, stream);
+      break;
+    case kMlaTensorCores16Lean:
+      err = launch_mma(mma::mla_decode_mma_kernel<16, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
+      break;
+#endif
+    default: {
+      const size_t smem = static_cast<size_t>(p.rank + p.rope) * sizeof(float);
+      const dim3 grid(p.heads, static_cast<unsigned>(batch), p.num_splits);
+      mla_decode_generic_kernel<T, OutT><<<grid, kGenericThreads, smem, stream>>>(p);
+      err = last_launch_error();
+    }
   }
-  if (const char* err = last_launch_error()) return err;
+  if (err != nullptr) return err;
   if (p.num_splits > 1) {
     const dim3 grid(p.heads, static_cast<unsigned>(batch));
     mla_combine_kernel<OutT><<<grid, 128, p.num_splits * sizeof(float), stream>>>(p);
@@ -172,14 +207,14 @@ const char* launch_decode(const MlaParams& p, int64_t batch, bool use_mma, cudaS
 }
 
 template <typename T>
-const char* dispatch_out(const MlaParams& p, int64_t batch, bool use_mma, int out_dtype, cudaStream_t stream) {
+const char* dispatch_out(const MlaParams& p, int64_t batch, int kernel, int out_dtype, cudaStream_t stream) {
   switch (out_dtype) {
     case kFloat32:
-      return launch_decode<T, float>(p, batch, use_mma, stream);
+      return launch_decode<T, float>(p, batch, kernel, stream);
     case kBFloat16:
-      return launch_decode<T, bf16_t>(p, batch, use_mma, stream);
+      return launch_decode<T, bf16_t>(p, batch, kernel, stream);
     case kFloat16:
-      return launch_decode<T, fp16_t>(p, batch, use_mma, stream);
+      return launch_decode<T, fp16_t>(p, batch, kernel, stream);
     default:
       return "mla_decode: out must be float32, bfloat16 or float16";
   }
@@ -199,8 +234,8 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,
                        int block_table_dtype, uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out,
                        uintptr_t o_part, uintptr_t lse_part, int64_t batch, int64_t heads, int64_t rank,
-                       int64_t rope_dim, int64_t num_splits, double scale, int dtype, int out_dtype,
-                       bool allow_tensor_cores, uintptr_t stream) {
+                       int64_t rope_dim, int64_t num_splits, double scale, int dtype, int out_dtype, int kernel,
+                       uintptr_t stream) {
   if (batch < 0 || heads < 1 || rank < 1 || rope_dim < 0 || block_size < 1)
     return "mla_decode: needs batch >= 0, heads, rank, block_size >= 1, rope_dim >= 0";
   if (num_splits < 1 || num_splits > 1024) return "mla_decode: num_splits must be in 1..1024";
@@ -231,11 +266,13 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
               static_cast<float>(scale)};
   cudaStream_t st = as_stream(stream);
   const bool aligned16 = (q_latent | q_pe | cache) % 16 == 0 && block_stride % 8 == 0 && row_stride % 8 == 0;
-  const bool use_mma = allow_tensor_cores && mla_decode_has_tensor_cores() && dtype == kBFloat16 &&
-                       rank == 512 && rope_dim == 64 && aligned16;
-  if (!use_mma && rank > kGenericThreads * kGenericMaxCols) return "mla_decode: rank must be <= 1024";
+  const bool mma_fits = mla_decode_has_tensor_cores() && dtype == kBFloat16 && rank == 512 && rope_dim == 64 && aligned16;
+  if (kernel == kMlaAuto) kernel = mma_fits ? kMlaTensorCores16 : kMlaCudaCores;
+  if (kernel != kMlaCudaCores && !mma_fits)
+    return "mla_decode: the tensor-core kernels need bf16, rank 512, rope 64, 16-byte aligned rows (CUDA)";
+  if (kernel == kMlaCudaCores && rank > kGenericThreads * kGenericMaxCols) return "mla_decode: rank must be <= 1024";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "mla_decode", [&]() {
-    return dispatch_out<scalar_t>(p, batch, use_mma, out_dtype, st);
+    return dispatch_out<scalar_t>(p, batch, kernel, out_dtype, st);
   });
 }
 

@@ -29,8 +29,11 @@ struct alignas(sizeof(T) * N) Vec {
 };
 
 constexpr int kRowsPerBlock = 8;
+constexpr int kCached = 4;  // vectors per lane kept in registers between the two passes
 
-// N elements per lane per access: 16-byte accesses where alignment allows.
+// N elements per lane per access (up to 16 bytes, chosen so every lane has
+// work); the first kCached vectors of a lane stay in registers, longer rows
+// re-read the rest.
 template <typename T, int N>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) gated_rmsnorm_kernel(NormParams p) {
   using V = Vec<T, N>;
@@ -42,18 +45,24 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) gated_rmsnorm_kernel(NormP
   const T* weight = static_cast<const T*>(p.weight);
   T* out = static_cast<T*>(p.out) + row * p.out_stride;
 
+  V xs[kCached];
   float ss = 0.f;
-  for (int d = lane * N; d < p.dim; d += kGroup * N) {
-    const V a = *reinterpret_cast<const V*>(x + d);
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float f = to_float(a.v[i]);
-      ss = fmaf(f, f, ss);
+  for (int it = 0; it < kCached; ++it) {
+    const int d = (lane + it * kGroup) * N;
+    if (d < p.dim) {
+      xs[it] = *reinterpret_cast<const V*>(x + d);
+#pragma unroll
+      for (int i = 0; i < N; ++i) ss = fmaf(to_float(xs[it].v[i]), to_float(xs[it].v[i]), ss);
     }
   }
-  const float inv = rsqrtf(group_sum(ss) / p.dim + p.eps);
-  for (int d = lane * N; d < p.dim; d += kGroup * N) {
+  for (int d = (lane + kCached * kGroup) * N; d < p.dim; d += kGroup * N) {
     const V a = *reinterpret_cast<const V*>(x + d);
+#pragma unroll
+    for (int i = 0; i < N; ++i) ss = fmaf(to_float(a.v[i]), to_float(a.v[i]), ss);
+  }
+  const float inv = rsqrtf(group_sum(ss) / p.dim + p.eps);
+  auto emit = [&](int d, const V& a) {
     const V g = *reinterpret_cast<const V*>(gate + d);
     const V w = *reinterpret_cast<const V*>(weight + d);
     V o;
@@ -63,20 +72,38 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) gated_rmsnorm_kernel(NormP
       o.v[i] = from_float<T>(to_float(w.v[i]) * (to_float(a.v[i]) * inv) * sig);
     }
     *reinterpret_cast<V*>(out + d) = o;
+  };
+#pragma unroll
+  for (int it = 0; it < kCached; ++it) {
+    const int d = (lane + it * kGroup) * N;
+    if (d < p.dim) emit(d, xs[it]);
   }
+  for (int d = (lane + kCached * kGroup) * N; d < p.dim; d += kGroup * N) emit(d, *reinterpret_cast<const V*>(x + d));
 }
 
 template <typename T>
 const char* launch(const NormParams& p, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
   const uint64_t bits = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.gate) |
                         reinterpret_cast<uintptr_t>(p.weight) | reinterpret_cast<uintptr_t>(p.out) |
                         static_cast<uint64_t>((p.x_stride | p.gate_stride | p.out_stride | p.dim) * sizeof(T));
+  // Widest vector that divides the row, is aligned, and still gives all 32 lanes work.
+  int n = 16 / static_cast<int>(sizeof(T));
+  while (n > 1 && (bits % (n * sizeof(T)) != 0 || p.dim < kGroup * n)) n /= 2;
   const dim3 grid(static_cast<unsigned>(ceil_div(p.rows, kRowsPerBlock)));
-  if (bits % 16 == 0)
-    gated_rmsnorm_kernel<T, kVec><<<grid, kRowsPerBlock * 32, 0, stream>>>(p);
-  else
-    gated_rmsnorm_kernel<T, 1><<<grid, kRowsPerBlock * 32, 0, stream>>>(p);
+  const int threads = kRowsPerBlock * 32;
+  switch (n) {
+    case 8:
+      gated_rmsnorm_kernel<T, 8><<<grid, threads, 0, stream>>>(p);
+      break;
+    case 4:
+      gated_rmsnorm_kernel<T, 4><<<grid, threads, 0, stream>>>(p);
+      break;
+    case 2:
+      gated_rmsnorm_kernel<T, 2><<<grid, threads, 0, stream>>>(p);
+      break;
+    default:
+      gated_rmsnorm_kernel<T, 1><<<grid, threads, 0, stream>>>(p);
+  }
   return last_launch_error();
 }
 

@@ -82,14 +82,23 @@ const char* gated_rmsnorm(uintptr_t x, int64_t x_stride, uintptr_t gate, int64_t
 // int64 (kInt32 / kInt64). out [batch, heads, rank] `out_dtype`.
 // num_splits > 1 splits each sequence's positions over that many blocks and
 // needs fp32 workspaces o_part [batch, num_splits, heads, rank] and lse_part
-// [batch, num_splits, heads]. bf16 with rank 512 / rope 64 runs on tensor
-// cores (CUDA) unless allow_tensor_cores is false.
+// [batch, num_splits, heads]. `kernel` (MlaKernel): kMlaAuto takes the
+// tensor cores for bf16 with rank 512 / rope 64 (CUDA) and the CUDA-core
+// kernel otherwise; the other values force one (benchmarks, tests).
+enum MlaKernel : int {
+  kMlaAuto = 0,
+  kMlaCudaCores = 1,
+  kMlaTensorCores8 = 2,       // 8 warps (csrc/mla_mma.cuh)
+  kMlaTensorCores16 = 3,      // 16 warps
+  kMlaTensorCores8Lean = 4,   // 8 warps, grouped softmax, 3 barriers per tile
+  kMlaTensorCores16Lean = 5,  // 16 warps, grouped softmax, 3 barriers per tile
+};
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,
                        int block_table_dtype, uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out,
                        uintptr_t o_part, uintptr_t lse_part, int64_t batch, int64_t heads, int64_t rank,
-                       int64_t rope_dim, int64_t num_splits, double scale, int dtype, int out_dtype,
-                       bool allow_tensor_cores, uintptr_t stream);
+                       int64_t rope_dim, int64_t num_splits, double scale, int dtype, int out_dtype, int kernel,
+                       uintptr_t stream);
 
 // Whether this build has mla_decode's tensor-core kernel (CUDA, not HIP).
 bool mla_decode_has_tensor_cores();

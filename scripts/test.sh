@@ -5,6 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# libibverbs1: the Mooncake transfer engine (the [mooncake] extra) loads it
+# at import, even for TCP transfers. Installed from Debian when missing.
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update
+  apt-get install -y --no-install-recommends libibverbs1
+fi
+
 # torch first and pinned: any other resolution would pull a multi-GB CUDA
 # build on CPU machines. pyproject's range keeps this one.
 python -m pip install torch==2.13.0

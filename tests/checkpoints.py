@@ -116,3 +116,42 @@ def hf_prompt_logprobs(path: str, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+def add_mtp_weights(path: str, num_layers: int = 1, seed: int = 1) -> str:
+    """Give a Kimi-Linear checkpoint DeepSeek-V3-layout MTP layers (random weights).
+
+    Transformers has no Kimi MTP, so the tensors come from atom's own module
+    definition: ``model.layers.{N + i}.{enorm,hnorm,eh_proj,shared_head.norm,...}``
+    in an extra safetensors file, and ``num_nextn_predict_layers`` in config.json.
+    """
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from atom.models.kimi_linear import KimiLinearForCausalLM
+
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = num_layers
+    torch.manual_seed(seed)
+    model = KimiLinearForCausalLM(cfg, torch.float32)
+    first = f"model.layers.{model.args.num_hidden_layers}."
+    tensors = {}
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if layer < model.args.num_hidden_layers:
+            continue
+        if name.endswith("norm.weight") or "layernorm" in name:
+            t = torch.ones_like(p)
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.zeros_like(p)
+        else:
+            t = torch.randn_like(p) * 0.1
+        tensors[name] = t.contiguous()
+    assert any(n.startswith(first) for n in tensors)
+    save_file(tensors, os.path.join(path, "model-mtp.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return path

@@ -6,9 +6,17 @@ when no request is alive, every KV block and state slot must be free.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from tests import checkpoints
+
+# The models here are tiny: one intra-op thread is faster than two fighting over
+# 2 cores, and keeps timings steady. Subprocesses (CLI, P/D ranks) inherit it.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -204,7 +204,7 @@ def test_conv1d_update(dtype, B, T, C, W, per_token):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 3, 128), (7, 100), (2, 33, 64), (1, 1, 24)])
+@pytest.mark.parametrize("shape", [(5, 3, 128), (7, 100), (2, 33, 64), (1, 1, 24), (3, 1000), (4, 2, 512)])
 def test_gated_rmsnorm(dtype, shape):
     torch.manual_seed(sum(shape))
     x = _rand(*shape, dtype=dtype)
@@ -268,6 +268,25 @@ def test_mla_decode(dtype, R, P, H, block_size, lens, splits, out_dtype):
     tol = TOL[torch.bfloat16] if torch.bfloat16 in (dtype, out_dtype) else TOL[torch.float32]
     assert rel_err(out, expected) < tol
     assert torch.equal(out[seq_lens.cuda() == 0].cpu(), torch.zeros_like(out[seq_lens.cuda() == 0].cpu()))
+
+
+@gpu
+@pytest.mark.parametrize("kernel", [2, 3, 4, 5])  # MlaKernel: tensor-core variants, forced
+@pytest.mark.parametrize(
+    "H, block_size, lens, splits",
+    [(32, 16, [1, 63, 64, 65, 1000], None), (40, 7, [500, 129, 0, 7], 3), (16, 64, [2048, 17], 1)],
+)
+def test_mla_decode_tensor_core_variants(kernel, H, block_size, lens, splits):
+    torch.manual_seed(kernel + H)
+    cache, tables = _paged_cache(lens, block_size, 576, torch.bfloat16)
+    B = len(lens)
+    ql, qp = _rand(B, H, 512, dtype=torch.bfloat16), _rand(B, H, 64, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens)
+    expected = ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, 0.07)
+    out = torch.full((B, H, 512), float("nan"), device="cuda")
+    mla_decode(ql.cuda(), qp.cuda(), cache.cuda(), tables.cuda(), seq_lens.cuda(), 0.07, num_splits=splits, out=out,
+               kernel=kernel)  # fmt: skip
+    assert rel_err(out, expected) < 1e-2
 
 
 @gpu

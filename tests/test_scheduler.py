@@ -25,7 +25,7 @@ def _req(i, n, max_tokens=4):
 
 def _fake_step(sched):
     out = sched.schedule()
-    result = RunnerOutput(sampled={s.request_id: 7 for s in out.scheduled if s.sample})
+    result = RunnerOutput(sampled={s.request_id: [7] for s in out.scheduled if s.sample})
     sched.update(out, result)
     return out
 

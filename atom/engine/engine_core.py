@@ -56,6 +56,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config, self.kv)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.scheduler.text_stop = self._text_stop
         self._counter = 0
 
     # -- requests --------------------------------------------------------------
@@ -121,14 +122,14 @@ class EngineCore:
         for request in changed:
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            stop = self.detokenizer.update(request)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 self.detokenizer.flush(request)
             outputs.append(self._make_output(request))
         return outputs
+
+    def _text_stop(self, request: Request) -> str | None:
+        """Detokenize the newest token; the stop string it completed, if any."""
+        return self.detokenizer.update(request)
 
     def step(self) -> list[RequestOutput]:
         sched = self.schedule()
@@ -171,7 +172,8 @@ class EngineCore:
     @staticmethod
     def _request_metrics(request: Request) -> dict[str, float]:
         now = time.monotonic()
-        m = {"arrival_time": request.arrival_time, "e2e": now - request.arrival_time}
+        m = {"arrival_time": request.arrival_time, "e2e": now - request.arrival_time,
+             "num_draft_tokens": request.num_draft_tokens, "num_accepted_tokens": request.num_accepted_tokens}
         if request.first_token_time is not None:
             m["ttft"] = request.first_token_time - request.arrival_time
         return m

@@ -58,6 +58,12 @@ class Request:
     num_computed_tokens: int = 0
     # Tokens being sampled by a step still in flight (overlap): known to exist, not yet known.
     num_pending_tokens: int = 0
+    # Speculative decoding: drafts proposed for the next step, and which slot of the
+    # request's state group holds the state valid for num_computed_tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
+    state_offset: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # first slot of this request's recurrent-state group
     num_preemptions: int = 0
@@ -76,6 +82,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(end - p, 0)]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,7 +43,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._sent_to_runner: set[str] = set()
         self._finished_since_last_step: set[str] = set()
-        self.num_preemptions = 0  # total, for metrics and tests
+        self.num_preemptions = 0  # totals, for metrics and tests
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        # Called after each appended token: the stop string it completed, or None (set by EngineCore).
+        self.text_stop = None
 
     # -- admission and removal ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,22 +89,39 @@ class Scheduler:
         known = request.num_tokens + request.num_pending_tokens
         return min(known - request.num_computed_tokens, budget)
 
+    def _drafts_for(self, request: Request, n: int, budget: int) -> list[int]:
+        """Drafts to verify this step: only for a decode (one known token left), and only
+        as many as the budget, max_model_len and max_tokens leave room for."""
+        drafts = request.spec_token_ids
+        request.spec_token_ids = []
+        if not drafts or n != 1 or request.num_pending_tokens:
+            return []
+        room = min(budget - 1, self.config.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        lookahead = self.config.num_speculative_tokens  # room for chained draft positions
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
+            if lookahead and request.num_pending_tokens:
+                continue  # its accepted count is unknown until the step in flight returns
             n = self._num_new_tokens(request, budget)
             if n <= 0:
                 continue
-            while self.kv.allocate_slots(request, n) is None:
+            drafts = self._drafts_for(request, n, budget)
+            while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            self._emit(request, n, out)
-            budget -= n
+            self._emit(request, n, out, drafts)
+            budget -= n + len(drafts)
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -113,7 +134,8 @@ class Scheduler:
             n = min(n, budget)
             if not self.kv.allocate_state(request):
                 break
-            if self.kv.allocate_slots(request, n, cached_blocks) is None:
+            lookahead = self.config.num_speculative_tokens
+            if self.kv.allocate_slots(request, n + lookahead, cached_blocks) is None:
                 self.kv.free(request)
                 break
             self.waiting.popleft()
@@ -124,7 +146,7 @@ class Scheduler:
             self._emit(request, n, out)
             budget -= n
 
-    def _emit(self, request: Request, n: int, out: SchedulerOutput) -> None:
+    def _emit(self, request: Request, n: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
         start = request.num_computed_tokens
         if request.request_id not in self._sent_to_runner or start == 0:
             # First schedule, or resuming after preemption: (re)send the request in full.
@@ -133,28 +155,35 @@ class Scheduler:
                 NewRequestData(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                                list(request.output_token_ids))
             )
-        tokens = request.all_token_ids[start : start + n]
+        tokens = request.token_ids_between(start, start + n)
         tokens += [PLACEHOLDER] * (n - len(tokens))  # sampled by the step in flight
         sample = start + n == request.num_tokens + request.num_pending_tokens
+        base = -1 if request.state_slot is None else request.state_slot
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=tokens,
+                token_ids=tokens + list(drafts),
                 context_len=start,
                 block_ids=list(request.block_ids),
-                state_slot=-1 if request.state_slot is None else request.state_slot,
+                state_slot=base if base < 0 else base + request.state_offset,
                 sample=sample,
                 prompt_logprobs=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
+                draft_token_ids=list(drafts),
+                state_out_slot=base,
             )
         )
-        request.num_computed_tokens += n
+        # Drafts count as computed now; update() takes back the rejected ones.
+        request.num_computed_tokens += n + len(drafts)
         request.num_pending_tokens += int(sample)
+        request.state_offset = 0
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # an in-flight sample for it is discarded
+        request.spec_token_ids = []
+        request.state_offset = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -171,22 +200,48 @@ class Scheduler:
                 continue  # aborted while the step ran
             if s.request_id in result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs[s.request_id])
-            self.kv.cache_full_blocks(request)
-            token = result.sampled.get(s.request_id) if s.sample else None
-            if token is None:
+            tokens = result.sampled.get(s.request_id) if s.sample else None
+            if tokens is None:
+                self.kv.cache_full_blocks(request)
                 continue
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(token)
-            if s.request_id in result.logprobs:
-                request.logprobs.append(result.logprobs[s.request_id])
+            if s.draft_token_ids:
+                self._account_verification(request, s, len(tokens) - 1)
+            self.kv.cache_full_blocks(request)
             changed.append(request)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            self._append_tokens(request, tokens, result.logprobs.get(s.request_id))
+            if request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = result.draft_token_ids.get(s.request_id, [])
         for request in self.waiting:
             if request.status == RequestStatus.PREEMPTED:
                 request.status = RequestStatus.WAITING
         return changed
+
+    def _account_verification(self, request: Request, s: ScheduledRequest, accepted: int) -> None:
+        """Rejected drafts were never really computed; the state after the last accepted
+        token sits at offset ``accepted`` of the request's slot group."""
+        request.num_computed_tokens -= len(s.draft_token_ids) - accepted
+        request.state_offset = accepted
+        request.num_draft_tokens += len(s.draft_token_ids)
+        request.num_accepted_tokens += accepted
+        self.num_draft_tokens += len(s.draft_token_ids)
+        self.num_accepted_tokens += accepted
+
+    def _append_tokens(self, request: Request, tokens: list[int], logprobs) -> None:
+        """Append one token at a time, so a stop inside an accepted draft run cuts exactly
+        where plain decoding would."""
+        for i, token in enumerate(tokens):
+            request.output_token_ids.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[i])
+            stop_str = self.text_stop(request) if self.text_stop is not None else None
+            status = self._check_stop(request, token)
+            if status is None and stop_str is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop_str
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                return
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -32,9 +32,13 @@ class ScheduledRequest:
     token_ids: list[int]  # the tokens computed this step; PLACEHOLDER = "the token you sampled last"
     context_len: int  # tokens already in the cache (num_computed_tokens before this step)
     block_ids: list[int]  # the request's whole block table
-    state_slot: int  # first slot of its recurrent-state group, -1 if the model has none
+    state_slot: int  # slot holding its recurrent state before this step, -1 if the model has none
     sample: bool  # this step reaches the end of the known tokens: sample the next one
     prompt_logprobs: bool = False  # return logprobs for the prompt positions in this chunk
+    # Speculative verification: token_ids ends with these drafts; the state after each
+    # token j is kept in slot state_out_slot + j. Otherwise the final state goes to state_out_slot.
+    draft_token_ids: list[int] = field(default_factory=list)
+    state_out_slot: int = -1
 
 
 @dataclass
@@ -55,8 +59,10 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    # request id -> sampled token (only for requests scheduled with sample=True)
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    # request id -> tokens produced this step (requests scheduled with sample=True): one
+    # sampled token, or with drafts the accepted drafts followed by one more sampled token
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # one entry per produced token
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     # request id -> logprobs of the prompt positions covered this step (entry per token, None for position 0)
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)

@@ -25,7 +25,7 @@ from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.layers.norm import GatedRMSNorm
 from atom.ops import PaddedLayout, split_decode_prefill
-from atom.ops.kda import causal_conv1d, kda, l2norm
+from atom.ops.kda import causal_conv1d_with_inputs, conv_states_per_token, kda, kda_recurrent_states, l2norm
 
 
 class KimiDeltaAttention(nn.Module):
@@ -74,28 +74,46 @@ class KimiDeltaAttention(nn.Module):
         # Fresh sequences start from zeros: select (not multiply) so stale NaNs cannot leak.
         continuing = torch.tensor([c > 0 for c in md.context_lens], device=x.device)
         out = x.new_empty(x.shape[0], self.num_heads, self.head_dim)
-        for layout in split_decode_prefill(md.query_start_loc, x.device):
-            out[layout.token_ids] = self._recur(mixed, g, beta, continuing, layout).to(x.dtype)
+        apart = md.per_token_state_seqs
+        for layout in split_decode_prefill(md.query_start_loc, x.device, apart):
+            per_token = bool(apart) and layout.seqs == apart
+            out[layout.token_ids] = self._recur(mixed, g, beta, continuing, layout, per_token).to(x.dtype)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
         return self.o_proj(self.o_norm(out, gate).flatten(1))
 
-    def _recur(self, mixed, g, beta, continuing, layout: PaddedLayout) -> torch.Tensor:
-        """Short conv + delta rule for one group of sequences, through their state slots. Returns [T', H, V] fp32."""
+    def _recur(self, mixed, g, beta, continuing, layout: PaddedLayout, per_token: bool) -> torch.Tensor:
+        """Short conv + delta rule for one group of sequences, through their state slots. Returns [T', H, V] fp32.
+
+        Reads each sequence's state from ``state_slots``; writes the final state to
+        ``state_out_slots`` or, with ``per_token``, the state after token j to
+        ``state_out_slots + j`` (all reads happen before any write).
+        """
         ctx = get_forward_context()
         conv_pool, state_pool = ctx.caches[self.layer_idx]
-        slots = ctx.attn_metadata.state_slots[layout.seq_ids]
+        md = ctx.attn_metadata
+        slots, out_slots = md.state_slots[layout.seq_ids], md.state_out_slots[layout.seq_ids]
         keep = continuing[layout.seq_ids]
         conv_state = torch.where(keep[:, None, None], conv_pool[slots], 0)
         state = torch.where(keep[:, None, None, None], state_pool[slots], 0)
 
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
-        conv_out, conv_state = causal_conv1d(layout.pad(mixed).transpose(1, 2), conv_state, weight, layout.lengths)
-        conv_pool[slots] = conv_state
+        x = layout.pad(mixed).transpose(1, 2)
+        conv_out, conv_state, window = causal_conv1d_with_inputs(x, conv_state, weight, layout.lengths)
         q, k, v = conv_out.transpose(1, 2).unflatten(-1, (3 * self.num_heads, self.head_dim)).float().chunk(3, dim=2)
         q = l2norm(q) * self.head_dim**-0.5
         # layout.pad fills padding with g = 0 and beta = 0: no decay, no update there.
-        out, state = kda(q, l2norm(k), v, layout.pad(g), layout.pad(beta), state)
-        state_pool[slots] = state
+        if not per_token:
+            out, state = kda(q, l2norm(k), v, layout.pad(g), layout.pad(beta), state)
+            conv_pool[out_slots] = conv_state
+            state_pool[out_slots] = state
+            return layout.unpad(out)
+        out, states = kda_recurrent_states(q, l2norm(k), v, layout.pad(g), layout.pad(beta), state)
+        # valid (row, j) pairs, in layout.index order: slot = out_slots[row] + j
+        row, j = layout.index // layout.max_len, layout.index % layout.max_len
+        targets = out_slots[row] + j
+        conv_pool[targets] = conv_states_per_token(window, weight.shape[-1]).flatten(0, 1)[layout.index].to(
+            conv_pool.dtype)
+        state_pool[targets] = states.flatten(0, 1)[layout.index]
         return layout.unpad(out)
 
     def _decay(self, x: torch.Tensor) -> torch.Tensor:

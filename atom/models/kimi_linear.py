@@ -11,7 +11,7 @@ gated MLP ("dense") or routed + shared experts ("sparse").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ class KimiLinearArgs:
     linear_conv_kernel_dim: int
     layer_types: tuple[str, ...]
     mlp_layer_types: tuple[str, ...]
+    num_nextn_predict_layers: int = 0  # MTP draft layers stored after the decoder layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> KimiLinearArgs:
@@ -96,7 +97,15 @@ class KimiLinearArgs:
             linear_conv_kernel_dim=int(linear.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4))),
             layer_types=_layer_types(cfg, linear, num_layers),
             mlp_layer_types=_mlp_layer_types(cfg, num_layers),
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
         )
+
+    def with_mtp_layers(self) -> KimiLinearArgs:
+        """Layer types extended over the MTP layers: MLA attention, MoE when there are experts."""
+        n = self.num_nextn_predict_layers
+        mlp = "sparse" if self.num_experts > 0 else "dense"
+        return replace(self, layer_types=self.layer_types + ("full_attention",) * n,
+                       mlp_layer_types=self.mlp_layer_types + (mlp,) * n)
 
 
 def _layer_types(cfg: dict[str, Any], linear: dict[str, Any], num_layers: int) -> tuple[str, ...]:
@@ -186,16 +195,43 @@ def _feed_forward(args: KimiLinearArgs, layer_idx: int, dtype: torch.dtype) -> n
     )
 
 
+class KimiMTPLayer(KimiLinearDecoderLayer):
+    """DeepSeek-V3-style multi-token-prediction layer (``model.layers.{N + i}``).
+
+    ``h' = block(eh_proj([enorm(embed(next_token)); hnorm(h)]))``, logits from
+    ``lm_head(shared_head.norm(h'))``. ``h`` is the target's final (normed) hidden
+    state at the same position, or the previous MTP output when chaining.
+    """
+
+    def __init__(self, args: KimiLinearArgs, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__(args, layer_idx, dtype)
+        d = args.hidden_size
+        self.enorm = RMSNorm(d, args.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps, dtype=dtype)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False, dtype=dtype)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1))
+        return super().forward(positions, x)
+
+
 class KimiLinearModel(nn.Module):
     def __init__(self, args: KimiLinearArgs, dtype: torch.dtype) -> None:
         super().__init__()
+        self.num_hidden_layers = args.num_hidden_layers
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(KimiLinearDecoderLayer(args, i, dtype) for i in range(args.num_hidden_layers))
+        layers = [KimiLinearDecoderLayer(args, i, dtype) for i in range(args.num_hidden_layers)]
+        mtp_args = args.with_mtp_layers()
+        layers += [KimiMTPLayer(mtp_args, args.num_hidden_layers + i, dtype)
+                   for i in range(args.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer in self.layers[: self.num_hidden_layers]:
             hidden_states = layer(positions, hidden_states)
         return self.norm(hidden_states)
 
@@ -220,6 +256,21 @@ class KimiLinearForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.args.num_nextn_predict_layers
+
+    def _mtp_layer(self, depth: int) -> KimiMTPLayer:
+        # more drafts than MTP layers: the last layers are reused, as DeepSeek-V3 serving does
+        return self.model.layers[self.args.num_hidden_layers + depth % self.num_mtp_layers]
+
+    def mtp_forward(self, input_ids, positions, previous_hidden, depth: int) -> torch.Tensor:
+        """One MTP step over a flat batch: next tokens + the hidden states they follow."""
+        return self._mtp_layer(depth)(positions, self.model.embed_tokens(input_ids), previous_hidden)
+
+    def mtp_logits(self, hidden_states: torch.Tensor, depth: int) -> torch.Tensor:
+        return self.lm_head(self._mtp_layer(depth).shared_head.norm(hidden_states)).float()
 
     def cache_specs(self) -> dict[int, CacheSpec]:
         """MLASpec for MLA layers, RecurrentStateSpec for KDA layers."""

@@ -53,17 +53,22 @@ class PaddedLayout:
         return y.reshape(self.num_seqs * self.max_len, *y.shape[2:])[self.index]
 
 
-def split_decode_prefill(query_start_loc: list[int], device: torch.device) -> tuple[PaddedLayout, ...]:
-    """The step's decode rows (one token each) and its longer rows as separate groups; empty ones dropped."""
-    return _split(tuple(query_start_loc), torch.device(device))
+def split_decode_prefill(
+    query_start_loc: list[int], device: torch.device, apart: tuple[int, ...] = ()
+) -> tuple[PaddedLayout, ...]:
+    """The step's decode rows (one token each), its longer rows, and the rows in ``apart``
+    (speculative verification, which keeps a state per token) as separate groups;
+    empty groups dropped."""
+    return _split(tuple(query_start_loc), torch.device(device), tuple(apart))
 
 
 @functools.lru_cache(maxsize=16)  # every layer of a step asks for the same split
-def _split(starts: tuple[int, ...], device: torch.device) -> tuple[PaddedLayout, ...]:
+def _split(starts: tuple[int, ...], device: torch.device, apart: tuple[int, ...]) -> tuple[PaddedLayout, ...]:
     lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-    decode = tuple(b for b, n in enumerate(lens) if n == 1)
-    prefill = tuple(b for b, n in enumerate(lens) if n > 1)
-    return tuple(_layout(group, starts, lens, device) for group in (decode, prefill) if group)
+    rest = [b for b in range(len(lens)) if b not in apart]
+    decode = tuple(b for b in rest if lens[b] == 1)
+    prefill = tuple(b for b in rest if lens[b] > 1)
+    return tuple(_layout(group, starts, lens, device) for group in (decode, prefill, apart) if group)
 
 
 def _layout(seqs: tuple[int, ...], starts: tuple[int, ...], lens: list[int], device) -> PaddedLayout:

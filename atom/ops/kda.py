@@ -37,13 +37,19 @@ def causal_conv1d(
     [B, C, W-1] = the last W-1 valid raw inputs, reaching into the old state when
     fewer than W-1 are new). Computes in the weight's dtype, like transformers.
     """
+    out, new_state, _ = causal_conv1d_with_inputs(x, conv_state, weight, lengths)
+    return out, new_state
+
+
+def causal_conv1d_with_inputs(x, conv_state, weight, lengths):
+    """``causal_conv1d`` that also returns its input window [B, C, W-1+L] (old state + new inputs)."""
     width = weight.shape[-1]
     full = torch.cat([conv_state.to(x.dtype), x], dim=-1).to(weight.dtype)  # [B, C, W-1+L]
     out = F.silu(F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0]))  # [B, C, L]
     # The last valid input of row b sits at full index (W-2) + lengths[b].
     keep = lengths[:, None] + torch.arange(width - 1, device=x.device)[None, :]  # [B, W-1]
     new_state = full.gather(2, keep[:, None, :].expand(-1, full.shape[1], -1))
-    return out.to(x.dtype), new_state.to(conv_state.dtype)
+    return out.to(x.dtype), new_state.to(conv_state.dtype), full
 
 
 def kda_recurrent(
@@ -63,6 +69,29 @@ def kda_recurrent(
         state = state + k[:, t].unsqueeze(-1) * update.unsqueeze(-2)
         out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])
     return out, state
+
+
+def kda_recurrent_states(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kda_recurrent`` that also returns the state after every token: [B, L, H, K, V].
+
+    For speculative verification (L = 1 + drafts, small): the next step resumes
+    from the state after the last accepted token.
+    """
+    states = torch.empty(*q.shape[:2], *state.shape[1:], dtype=torch.float32, device=q.device)
+    outs = []
+    for t in range(q.shape[1]):
+        o, state = kda_recurrent(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                                 beta[:, t : t + 1], state)
+        outs.append(o)
+        states[:, t] = state
+    return torch.cat(outs, dim=1), states
+
+
+def conv_states_per_token(full: torch.Tensor, width: int) -> torch.Tensor:
+    """From [B, C, W-1+L] (old state then new raw inputs): the conv state after each token, [B, L, C, W-1]."""
+    return full.unfold(2, width - 1, 1)[:, :, 1:].permute(0, 2, 1, 3)
 
 
 def kda_chunked(

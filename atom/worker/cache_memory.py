@@ -68,7 +68,7 @@ def _check_fits(config: EngineConfig, layout: CacheLayout, paged: bool, recurren
         raise ValueError(
             f"the KV cache holds {layout.num_blocks} blocks but one request of max_model_len="
             f"{config.max_model_len} needs {need_blocks}; raise --kv-cache-memory to at least "
-            f"{need} bytes (or --num-gpu-blocks to {need_blocks}), or lower --max-model-len"
+            f"{need} bytes (or --num-gpu-blocks-override to {need_blocks}), or lower --max-model-len"
         )
     if recurrent and layout.num_state_groups < 1:
         raise ValueError(

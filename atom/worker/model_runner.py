@@ -18,7 +18,9 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, plan_cache
+from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from atom.worker.spec_decode import emitted_logprobs, verify
 
 
 @dataclass
@@ -39,6 +41,7 @@ class ModelRunner:
         self.caches = self._allocate_caches()
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.drafter = make_drafter(config, self.model)
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -86,12 +89,17 @@ class ModelRunner:
             state_slots=[s.state_slot for s in rows],
             block_size=self.config.block_size,
             device=self.device,
+            state_out_slots=[s.state_out_slot for s in rows],
+            per_token_state_seqs=tuple(i for i, s in enumerate(rows) if s.draft_token_ids),
         )
         with set_forward_context(ForwardContext(meta, self.caches)):
             hidden = self.model(input_ids, positions)
         out = RunnerOutput()
         self._prompt_logprobs(rows, meta.query_start_loc, hidden, input_ids, out)
         self._sample(rows, meta.query_start_loc, hidden, out)
+        self._verify(rows, meta.query_start_loc, hidden, out)
+        if self.drafter is not None and out.sampled:
+            self._propose(rows, meta.query_start_loc, hidden, out)
         return out
 
     def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +118,8 @@ class ModelRunner:
         )
 
     def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
-        picked = [(i, s) for i, s in enumerate(rows) if s.sample]
+        """Plain sampling: one token from the last position of each row that samples without drafts."""
+        picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
         last = torch.tensor([starts[i + 1] - 1 for i, _ in picked], device=self.device)
@@ -127,9 +136,43 @@ class ModelRunner:
         tokens = result.sampled_token_ids.tolist()
         for (_, s), st, token, lp in zip(picked, states, tokens, result.logprobs):
             st.output_token_ids.append(token)
-            out.sampled[s.request_id] = token
+            out.sampled[s.request_id] = [token]
             if lp is not None:
-                out.logprobs[s.request_id] = lp
+                out.logprobs[s.request_id] = [lp]
+
+    def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
+        """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode)."""
+        for i, s in enumerate(rows):
+            if not s.draft_token_ids:
+                continue
+            st = self.requests[s.request_id]
+            k = len(s.draft_token_ids)
+            logits = self.model.compute_logits(hidden[starts[i + 1] - k - 1 : starts[i + 1]])
+            # row j is sampled as if d1..dj were already outputs (penalties see them)
+            histories = [st.output_token_ids + s.draft_token_ids[:j] for j in range(k + 1)]
+            batch = SamplingBatch.from_params(
+                [st.sampling_params] * (k + 1), [None] * (k + 1), [st.prompt_token_ids] * (k + 1), histories,
+                device=self.device,
+            )
+            tokens = verify(logits, batch, s.draft_token_ids, st.sampling_params.greedy, st.generator)
+            st.output_token_ids.extend(tokens)
+            out.sampled[s.request_id] = tokens
+            if st.sampling_params.logprobs is not None:
+                out.logprobs[s.request_id] = emitted_logprobs(logits, tokens, st.sampling_params.logprobs)
+
+    def _propose(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
+        ctx = DraftContext(
+            rows=rows,
+            query_start_loc=starts,
+            hidden_states=hidden,
+            emitted=out.sampled,
+            token_history={s.request_id: self.requests[s.request_id].prompt_token_ids
+                           + self.requests[s.request_id].output_token_ids for s in rows},
+            caches=self.caches,
+            block_size=self.config.block_size,
+        )
+        with torch.inference_mode():
+            out.draft_token_ids = self.drafter.propose(ctx)
 
     def _prompt_logprobs(self, rows, starts, hidden, input_ids, out: RunnerOutput) -> None:
         """Logprob of prompt token p+1 from the logits at p, for the prompt positions in this chunk."""

@@ -34,6 +34,7 @@ def mla_decode(
     out_dtype: torch.dtype = torch.float32,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    kernel: int = 0,
 ) -> torch.Tensor:
     """softmax((q_latent . c + q_pe . k_rot) * scale) @ c over each row's first seq_lens[b] positions.
 
@@ -43,6 +44,8 @@ def mla_decode(
     (host int, an upper bound is fine) sizes the split of long sequences over
     SMs without a host sync; by default the block table's capacity. Returns
     [B, H, rank] in out_dtype, or writes ``out`` (contiguous, its dtype wins).
+    ``kernel`` forces one implementation (``MlaKernel`` in csrc/ops.h: 1 CUDA
+    cores, 2-5 tensor-core variants) for tests and benchmarks; 0 picks.
     """
     batch, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
@@ -68,7 +71,7 @@ def mla_decode(
     seq_lens = seq_lens.contiguous()
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    tensor_cores = _tensor_core_case(dtype, rank, rope)
+    tensor_cores = kernel >= 2 or (kernel == 0 and _tensor_core_case(dtype, rank, rope))
     if num_splits is None:
         num_splits = choose_num_splits(batch, heads, max_seq_len, _num_sms(q_latent.device), tensor_cores)
     if out is None:
@@ -86,7 +89,7 @@ def mla_decode(
             dtype_code(block_tables.dtype), seq_lens.data_ptr(), dtype_code(seq_lens.dtype), out.data_ptr(),
             o_part.data_ptr() if o_part is not None else 0, lse_part.data_ptr() if lse_part is not None else 0,
             batch, heads, rank, rope, num_splits, float(scale), dtype_code(dtype), dtype_code(out_dtype),
-            True, stream_of(q_latent.device),
+            kernel, stream_of(q_latent.device),
         )  # fmt: skip
     return out
 
