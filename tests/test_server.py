@@ -295,3 +295,19 @@ async def test_engine_embedded_in_an_app_with_its_own_tasks(llama_ckpt):
             await task
         assert engine.all_resources_free() and engine.stats()["num_running"] == 0
         tick_task.cancel()
+
+
+def test_speculative_decoding_metrics(llama_ckpt):
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with ServerThread(llama_ckpt, speculative_config=spec) as server:
+        c = client(server)
+        repetitive = [5, 6, 7, 8, 9, 10] * 4
+        out = c.completions.create(model=server.model_name, prompt=repetitive, max_tokens=16, temperature=0,
+                                   extra_body=NO_EOS)
+        assert out.usage.completion_tokens == 16
+        m = _metrics(server)
+        assert m["atom_spec_decode_draft_tokens_total[]"] > 0
+        assert 0 < m["atom_spec_decode_accepted_tokens_total[]"] <= m["atom_spec_decode_draft_tokens_total[]"]
+        assert m["atom_spec_decode_acceptance_length_count[]"] == 1
+        assert m["atom_spec_decode_acceptance_length_sum[]"] > 1
+        server.wait_idle_and_free()

@@ -173,7 +173,8 @@ class EngineCore:
     def _request_metrics(request: Request) -> dict[str, float]:
         now = time.monotonic()
         m = {"arrival_time": request.arrival_time, "e2e": now - request.arrival_time,
-             "num_draft_tokens": request.num_draft_tokens, "num_accepted_tokens": request.num_accepted_tokens}
+             "num_draft_tokens": request.num_draft_tokens, "num_accepted_tokens": request.num_accepted_tokens,
+             "num_verify_steps": request.num_verify_steps}
         if request.first_token_time is not None:
             m["ttft"] = request.first_token_time - request.arrival_time
         return m

@@ -64,6 +64,7 @@ class Request:
     state_offset: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
     block_ids: list[int] = field(default_factory=list)
     state_slot: int | None = None  # first slot of this request's recurrent-state group
     num_preemptions: int = 0

@@ -224,6 +224,7 @@ class Scheduler:
         request.state_offset = accepted
         request.num_draft_tokens += len(s.draft_token_ids)
         request.num_accepted_tokens += accepted
+        request.num_verify_steps += 1
         self.num_draft_tokens += len(s.draft_token_ids)
         self.num_accepted_tokens += accepted
 

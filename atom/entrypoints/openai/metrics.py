@@ -32,6 +32,12 @@ class ServerMetrics:
         self.waiting = Gauge("atom_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("atom_kv_block_usage", "Fraction of KV cache blocks in use", registry=r)
         self.slot_usage = Gauge("atom_state_slot_usage", "Fraction of recurrent state slots in use", registry=r)
+        self.spec_drafted = Counter("atom_spec_decode_draft_tokens", "Draft tokens proposed and verified",
+                                    registry=r)
+        self.spec_accepted = Counter("atom_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.spec_accept_len = Histogram(
+            "atom_spec_decode_acceptance_length", "Per finished request: tokens emitted per verification step",
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8), registry=r)
         self.ttft = Histogram("atom_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS,
                               registry=r)
         self.tpot = Histogram("atom_time_per_output_token_seconds", "Mean time per output token after the first",
@@ -48,6 +54,13 @@ class ServerMetrics:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(num_generated)
         metrics = out.metrics
+        drafted, accepted = metrics.get("num_draft_tokens", 0), metrics.get("num_accepted_tokens", 0)
+        if drafted:
+            self.spec_drafted.inc(drafted)
+            self.spec_accepted.inc(accepted)
+            steps = metrics.get("num_verify_steps", 0)
+            if steps:
+                self.spec_accept_len.observe((accepted + steps) / steps)
         if "e2e" in metrics:
             self.e2e.observe(metrics["e2e"])
         if "ttft" in metrics:
