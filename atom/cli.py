@@ -1,4 +1,4 @@
-"""``atom-engine``: serve | generate.
+"""``atom-engine``: serve | generate | router.
 
 Engine flags carry vLLM's names and map one to one onto ``EngineConfig``
 fields; a flag left out keeps ``EngineConfig``'s default, so the defaults
@@ -31,7 +31,7 @@ _FIELD_OF = {"num_gpu_blocks_override": "num_gpu_blocks"}
 _ENGINE_DESTS = (
     "model", "tokenizer", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "enable_prefix_caching", "enable_chunked_prefill", "num_gpu_blocks_override", "kv_cache_memory", "seed",
-    "device", "speculative_config", "async_scheduling",
+    "device", "speculative_config", "async_scheduling", "kv_transfer_config",
 )
 
 
@@ -56,7 +56,7 @@ def _json_object(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"invalid JSON ({exc}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"method\": \"ngram\"}}', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
     return value
 
 
@@ -99,12 +99,15 @@ def _engine_flags() -> argparse.ArgumentParser:
                         "(methods: ngram, mtp); validated only for now: drafting is not implemented yet")
     g.add_argument("--async-scheduling", action="store_true", default=None,
                    help="overlap: plan and queue the next step while the current one runs")
+    g.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",
+                   help='prefill/decode disaggregation, e.g. \'{"kv_connector": "mooncake", "kv_role": '
+                        '"kv_producer", "protocol": "tcp", "handshake_port": 0}\' (roles: kv_producer, kv_consumer)')
     return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="ATOM LLM inference engine.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,router}")
     engine = _engine_flags()
 
     serve = sub.add_parser("serve", parents=[engine], help="run the OpenAI-compatible HTTP server",
@@ -129,6 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default: 0, off)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.set_defaults(func=_generate)
+
+    router = sub.add_parser("router", help="route OpenAI requests over prefill and decode servers (P/D)",
+                            description="Run each request's prefill on a --prefill server (a kv_producer), "
+                                        "then its decode on a --decode server (a kv_consumer), round-robin; "
+                                        "stream the decode server's answer back.")
+    r = router.add_argument_group("router options")
+    r.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill server, e.g. http://127.0.0.1:8100 (repeat for several)")
+    r.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode server, e.g. http://127.0.0.1:8200 (repeat for several)")
+    r.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    r.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    r.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="most seconds one leg (prefill or decode, whole response) may take (default: 300)")
+    r.add_argument("--connect-timeout", type=float, default=10.0, metavar="S",
+                   help="most seconds to connect to a backend (default: 10)")
+    router.set_defaults(func=_router)
     return parser
 
 
@@ -166,6 +186,23 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (None if args.model else DEFAULT_SERVED_NAME)
     try:
         run_server(config, args.host, args.port, args.api_key, name, not args.no_uvloop)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        raise ValueError(f"{args.host}:{args.port} is already in use; pass another --port") from None
+    return 0
+
+
+# -- router -------------------------------------------------------------------------
+def _router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for url in args.prefill + args.decode:
+        if not re.match(r"https?://[^/]+", url):
+            raise ValueError(f"{url!r} is not a server URL; use one like http://127.0.0.1:8100")
+    from atom.entrypoints.router import Router, run_router
+
+    try:
+        run_router(Router(args.prefill, args.decode, args.timeout, args.connect_timeout), args.host, args.port)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise

@@ -59,6 +59,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown or "method" not in d:
+            raise ValueError(f"speculative_config needs 'method' and takes only {sorted(cls.__dataclass_fields__)}; "
+                             f"got {sorted(d)}")
+        return cls(**d)
+
     def __post_init__(self) -> None:
         if self.method not in ("mtp", "ngram"):
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'mtp' or 'ngram'")
@@ -84,6 +92,7 @@ class EngineConfig:
     tokenizer: str | None = None
     speculative_config: SpeculativeConfig | None = None
     async_scheduling: bool = False  # overlap: plan step N+1 while step N runs
+    kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +121,12 @@ class EngineConfig:
                 f">= max_model_len ({self.max_model_len})"
             )
         resolve_dtype(self.dtype, self.hf_config)  # validates the name
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if isinstance(self.kv_transfer_config, dict):
+            from atom.kv_transfer.base import KVTransferConfig
+
+            object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
 
     @property
     def torch_dtype(self) -> torch.dtype:

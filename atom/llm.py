@@ -20,7 +20,7 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         spec = kwargs.pop("speculative_config", None)
         if isinstance(spec, dict):
-            spec = SpeculativeConfig(**spec)
+            spec = SpeculativeConfig.from_dict(spec)
         self.config = EngineConfig(model=model, speculative_config=spec, **kwargs)
         self.engine = EngineCore(self.config)
         self._next_id = 0

@@ -31,3 +31,5 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # P/D producer: what the consumer needs to pull
+    error: str | None = None  # set when finish_reason is "error"

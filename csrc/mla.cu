@@ -179,16 +179,19 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
   switch (kernel) {
 #ifdef ATOM_MLA_MMA
     case kMlaTensorCores8:
-      err = launch_mma(mma::mla_decode_mma_kernel<8, false, OutT>, sizeof(mma::Smem), 8 * 32, p, batch, stream);
+      err = launch_mma(mma::mla_decode_mma_kernel<8, false, false, OutT>, sizeof(mma::Smem), 8 * 32, p, batch, stream);
       break;
     case kMlaTensorCores16:
-      err = launch_mma(mma::mla_decode_mma_kernel<16, false, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
+      err = launch_mma(mma::mla_decode_mma_kernel<16, false, false, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
     case kMlaTensorCores8Lean:
-      err = launch_mma(mma::mla_decode_mma_kernel<8, true, OutT>, sizeof(mma::Smem), 8 * 32, p, batch, stream);
+      err = launch_mma(mma::mla_decode_mma_kernel<8, true, false, OutT>, sizeof(mma::Smem), 8 * 32, p, batch, stream);
       break;
     case kMlaTensorCores16Lean:
-      err = launch_mma(mma::mla_decode_mma_kernel<16, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
+      err = launch_mma(mma::mla_decode_mma_kernel<16, true, false, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
+      break;
+    case kMlaTensorCores16Bulk:
+      err = launch_mma(mma::mla_decode_mma_kernel<16, true, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
 #endif
     default: {
@@ -218,6 +221,22 @@ const char* dispatch_out(const MlaParams& p, int64_t batch, int kernel, int out_
     default:
       return "mla_decode: out must be float32, bfloat16 or float16";
   }
+}
+
+}  // namespace
+
+namespace {
+
+// Whether the current device is Hopper or newer (cp.async.bulk, mbarrier tx counts).
+bool has_sm90() {
+#ifdef ATOM_MLA_MMA
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+  return major >= 9;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -267,9 +286,10 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
   cudaStream_t st = as_stream(stream);
   const bool aligned16 = (q_latent | q_pe | cache) % 16 == 0 && block_stride % 8 == 0 && row_stride % 8 == 0;
   const bool mma_fits = mla_decode_has_tensor_cores() && dtype == kBFloat16 && rank == 512 && rope_dim == 64 && aligned16;
-  if (kernel == kMlaAuto) kernel = mma_fits ? kMlaTensorCores16 : kMlaCudaCores;
+  if (kernel == kMlaAuto) kernel = mma_fits ? kMlaTensorCores16Lean : kMlaCudaCores;
   if (kernel != kMlaCudaCores && !mma_fits)
     return "mla_decode: the tensor-core kernels need bf16, rank 512, rope 64, 16-byte aligned rows (CUDA)";
+  if (kernel == kMlaTensorCores16Bulk && !has_sm90()) return "mla_decode: bulk copies need an sm_90+ GPU";
   if (kernel == kMlaCudaCores && rank > kGenericThreads * kGenericMaxCols) return "mla_decode: rank must be <= 1024";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "mla_decode", [&]() {
     return dispatch_out<scalar_t>(p, batch, kernel, out_dtype, st);

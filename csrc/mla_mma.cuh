@@ -16,11 +16,14 @@
 // PV: warp w owns 512/W latent columns. kLean: each row's softmax on 32/R
 // lanes (R rows per warp at once, shorter shuffle chains) and 3 barriers per
 // tile instead of 4 (the next tile's data is awaited at the end of this one).
+// kBulk (with kLean, sm_90): each cache row arrives by one cp.async.bulk
+// completing on the stage's mbarrier instead of 72 16-byte cp.async.
 // Which layout is fastest was measured on an H200 (GPU_NOTES.md); the others
 // stay selectable (MlaKernel) to re-measure.
 #pragma once
 
 #include "mla_common.cuh"
+#include "bulk_copy_sm90.h"
 #include "mma_sm80.h"
 
 namespace atom {
@@ -48,6 +51,7 @@ struct Smem {
   int64_t rows[2][kTile];  // element offsets of a tile's positions, -1 past the end
   float alpha[kHeads];
   float m[kHeads], l[kHeads];
+  uint64_t bar[2];  // kBulk: one mbarrier per stage
 };
 
 __device__ __forceinline__ bf16_t* q_row(Smem& sm, int head) {
@@ -67,7 +71,7 @@ __device__ __forceinline__ int64_t tile_row(const MlaParams& p, int64_t b, int64
   return blk * p.block_stride + static_cast<int64_t>(ipos % p.block_size) * p.row_stride;
 }
 
-template <int kWarps, bool kLean, typename OutT>
+template <int kWarps, bool kLean, bool kBulk, typename OutT>
 __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParams p) {
   constexpr int kThreads = kWarps * 32;
   constexpr int kNGroups = kWarps / (2 * kKSplit);  // position groups in S: 1 or 2
@@ -80,6 +84,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
   constexpr int kRowThreads = kThreads / kTile;     // threads copying one cache row
   constexpr int kRowChunks = kChunks / kRowThreads;
   static_assert(kWarps == 8 || kWarps == 16, "8 or 16 warps");
+  static_assert(kLean || !kBulk, "bulk copies come with the lean loop");
   static_assert(kChunks % kRowThreads == 0, "a row splits evenly over its threads");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -96,20 +101,48 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
     return;
   }
   const bf16_t* cache = static_cast<const bf16_t*>(p.cache);
-  // Tile loads: kRowThreads threads per row, each kRowChunks 16-byte chunks of it.
+  // Tile loads. cp.async: kRowThreads threads per row, kRowChunks 16-byte chunks each.
+  // kBulk: thread j < 64 moves row j with one bulk copy (or zero-fills it past the
+  // end), thread 0 announces the tile's bytes on the stage's mbarrier.
   const int ld_row = threadIdx.x / kRowThreads, ld_sub = threadIdx.x % kRowThreads;
-  auto load_tile = [&](int stage, const int64_t* rows) {
-    const int64_t off = rows[ld_row];
-    const bf16_t* src = cache + (off >= 0 ? off : 0);
-    bf16_t* dst = &sm.kv[stage][ld_row][0];
+  auto load_tile = [&](int stage, const int64_t* rows, int64_t tile) {
+    if constexpr (kBulk) {
+      if (threadIdx.x < kTile) {
+        const int64_t off = rows[threadIdx.x];
+        bf16_t* dst = &sm.kv[stage][threadIdx.x][0];
+        ptx::fence_proxy_async();
+        if (threadIdx.x == 0) {
+          const int64_t left = seq_len - tile * kTile;
+          ptx::mbar_arrive_expect_tx(&sm.bar[stage], static_cast<uint32_t>(left < kTile ? left : kTile) * kDim * 2);
+        }
+        if (off >= 0) {
+          ptx::bulk_copy_g2s(dst, cache + off, kDim * 2, &sm.bar[stage]);
+        } else {
+#pragma unroll 8
+          for (int c = 0; c < kDim; c += 8) *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    } else {
+      const int64_t off = rows[ld_row];
+      const bf16_t* src = cache + (off >= 0 ? off : 0);
+      bf16_t* dst = &sm.kv[stage][ld_row][0];
 #pragma unroll
-    for (int i = 0; i < kRowChunks; ++i) {
-      const int c = (ld_sub + i * kRowThreads) * 8;
-      ptx::cp_async_16(dst + c, src + (off >= 0 ? c : 0), off >= 0);
+      for (int i = 0; i < kRowChunks; ++i) {
+        const int c = (ld_sub + i * kRowThreads) * 8;
+        ptx::cp_async_16(dst + c, src + (off >= 0 ? c : 0), off >= 0);
+      }
+      ptx::cp_async_commit();
     }
   };
 
   // Prologue: offsets of the first two tiles; Q (zero rows past the last head); tile 0.
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+      ptx::mbar_init(&sm.bar[0], 1);
+      ptx::mbar_init(&sm.bar[1], 1);
+      ptx::fence_mbar_init();
+    }
+  }
   if (threadIdx.x < kTile) {
     sm.rows[0][threadIdx.x] = tile_row(p, b, seq_len, tiles, tiles.begin, threadIdx.x);
     sm.rows[1][threadIdx.x] = tile_row(p, b, seq_len, tiles, tiles.begin + 1, threadIdx.x);
@@ -125,18 +158,21 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
     }
     ptx::cp_async_commit();
   }
-  __syncthreads();  // rows[0], rows[1]
-  load_tile(0, sm.rows[0]);
-  ptx::cp_async_commit();
-  ptx::cp_async_wait<1>();  // Q (this thread's part) ...
-  __syncthreads();          // ... and everyone's
+  __syncthreads();  // rows[0], rows[1] (and the mbarriers)
+  load_tile(0, sm.rows[0], tiles.begin);
+  ptx::cp_async_wait<kBulk ? 0 : 1>();  // Q (this thread's part) ...
+  __syncthreads();                      // ... and everyone's
 
   const int mt = warp & 1, kq = (warp >> 1) & (kKSplit - 1), ng = warp / (2 * kKSplit);
   uint32_t qf[kKPer][4];  // A fragments: heads 16mt.., k-steps kq*kKPer ..
 #pragma unroll
   for (int i = 0; i < kKPer; ++i)
     ptx::ldmatrix_x4(qf[i], q_row(sm, mt * 16 + (lane & 15)) + (kq * kKPer + i) * 16 + (lane >> 4) * 8);
-  if constexpr (kLean) ptx::cp_async_wait<0>();  // tile 0 too: the loop awaits tile t+1 at the end of tile t
+  if constexpr (kBulk) {
+    ptx::mbar_wait(&sm.bar[0], 0);  // tile 0 too: the lean loop awaits tile t+1 at the end of tile t
+  } else if constexpr (kLean) {
+    ptx::cp_async_wait<0>();
+  }
   __syncthreads();  // the Q region holds partial scores from here on
 
   float o[2][kPN][4];  // [m tile][n tile][fragment]: heads 16mt+g(+8), columns kCols*w+8nt+2t4(+1)
@@ -158,8 +194,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
     const int it = static_cast<int>(tile - tiles.begin), stage = it & 1;
     // Offsets two tiles ahead: loaded now, stored at the end, so the load's latency hides behind this tile.
     const int64_t next_row = threadIdx.x < kTile ? tile_row(p, b, seq_len, tiles, tile + 2, threadIdx.x) : -1;
-    if (tile + 1 < tiles.end) load_tile(stage ^ 1, sm.rows[(it + 1) & 1]);
-    ptx::cp_async_commit();
+    if (tile + 1 < tiles.end) {
+      load_tile(stage ^ 1, sm.rows[(it + 1) & 1], tile + 1);
+    } else if constexpr (!kBulk) {
+      ptx::cp_async_commit();  // an empty group keeps wait<1> below meaning "this tile"
+    }
     if constexpr (!kLean) {
       ptx::cp_async_wait<1>();  // this tile landed for this thread ...
       __syncthreads();          // ... and for every thread
@@ -290,7 +329,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
       }
     }
     if (threadIdx.x < kTile) sm.rows[it & 1][threadIdx.x] = next_row;
-    if constexpr (kLean) ptx::cp_async_wait<0>();  // the next tile landed for this thread
+    if constexpr (kBulk) {  // the next tile landed (stage (it+1)&1, its ((it+1)>>1)-th use)
+      if (tile + 1 < tiles.end) ptx::mbar_wait(&sm.bar[(it + 1) & 1], ((it + 1) >> 1) & 1);
+    } else if constexpr (kLean) {
+      ptx::cp_async_wait<0>();  // the next tile landed for this thread
+    }
     __syncthreads();  // stage, p, alpha, rows and the partial scores are rewritten next tile
   }
 

@@ -92,6 +92,7 @@ enum MlaKernel : int {
   kMlaTensorCores16 = 3,      // 16 warps
   kMlaTensorCores8Lean = 4,   // 8 warps, grouped softmax, 3 barriers per tile
   kMlaTensorCores16Lean = 5,  // 16 warps, grouped softmax, 3 barriers per tile
+  kMlaTensorCores16Bulk = 6,  // as 5, rows moved by sm_90 bulk copies (cp.async.bulk + mbarrier)
 };
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,

@@ -271,7 +271,7 @@ def test_mla_decode(dtype, R, P, H, block_size, lens, splits, out_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [2, 3, 4, 5])  # MlaKernel: tensor-core variants, forced
+@pytest.mark.parametrize("kernel", [2, 3, 4, 5, 6])  # MlaKernel: tensor-core variants, forced
 @pytest.mark.parametrize(
     "H, block_size, lens, splits",
     [(32, 16, [1, 63, 64, 65, 1000], None), (40, 7, [500, 129, 0, 7], 3), (16, 64, [2048, 17], 1)],

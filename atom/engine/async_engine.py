@@ -47,7 +47,7 @@ class AsyncEngine:
         if config is None:
             spec = kwargs.pop("speculative_config", None)
             if isinstance(spec, dict):
-                spec = SpeculativeConfig(**spec)
+                spec = SpeculativeConfig.from_dict(spec)
             config = EngineConfig(speculative_config=spec, **kwargs)
         return cls(config)
 
@@ -57,9 +57,19 @@ class AsyncEngine:
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
+        """Start the step loop (and, for P/D, bind the connector's side channel first:
+        the engine is ready only once its listener is bound)."""
         if self._loop_task is None:
             self._wake = asyncio.Event()
+            if self.core.connector_worker is not None:
+                await self.core.connector_worker.start()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="atom-step-loop")
+
+    @property
+    def kv_connector_port(self) -> int | None:
+        """P/D: the side-channel port this engine bound (None without a connector)."""
+        connector = self.core.scheduler.connector
+        return getattr(connector, "side_channel_port", None) if connector is not None else None
 
     async def shutdown(self) -> None:
         for request_id in list(self._queues):
@@ -71,6 +81,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
+        if self.core.connector_worker is not None:
+            await self.core.connector_worker.shutdown()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> "AsyncEngine":
@@ -87,7 +99,7 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------
     async def generate(
         self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs (``new_token_ids``, ``new_text``) until the request finishes."""
         if self.dead_error is not None:
@@ -98,7 +110,8 @@ class AsyncEngine:
             self._next_id += 1
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = self.core.make_request(prompt, sampling_params or SamplingParams(), request_id)
+        request = self.core.make_request(prompt, sampling_params or SamplingParams(), request_id,
+                                         kv_transfer_params=kv_transfer_params)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self.core.add_request(request)
@@ -115,6 +128,18 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.core.abort_request(request_id)
+
+    async def _idle(self, poll: bool = False) -> None:
+        """Sleep until a request arrives; with transfers pending, wake often to poll them."""
+        self._wake.clear()
+        if not poll and not self.core.scheduler.has_connector_work:
+            await self._wake.wait()
+            return
+        self.core.start_connector_work()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=0.01)
+        except asyncio.TimeoutError:
+            pass
 
     def _publish(self, outputs) -> None:
         for out in outputs:
@@ -138,13 +163,18 @@ class AsyncEngine:
         inflight = None  # (SchedulerOutput, Future) of the step running now
         try:
             while True:
+                self._publish(self.core.poll_connector())
                 if inflight is None and not self.core.has_unfinished_requests():
-                    self._wake.clear()
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 nxt = None
                 if (overlap or inflight is None) and self.core.has_unfinished_requests():
                     sched = self.core.schedule()
+                    self.core.start_connector_work()
+                    if sched.is_empty and inflight is None:  # e.g. only remote loads in flight
+                        self.core.execute(sched)  # hands finished ids to the runner; no forward
+                        await self._idle(poll=True)
+                        continue
                     nxt = (sched, loop.run_in_executor(self._executor, self.core.execute, sched))
                 if inflight is not None:
                     sched, future = inflight

@@ -57,11 +57,24 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.scheduler.text_stop = self._text_stop
+        self.connector_worker = None  # P/D worker half; started by AsyncEngine on its loop
+        if config.kv_transfer_config is not None:
+            self._make_connector(config.kv_transfer_config)
         self._counter = 0
+
+    def _make_connector(self, kv_config) -> None:
+        from atom.kv_transfer.factory import make_connector
+        from atom.layers.cache_spec import RecurrentStateSpec
+
+        kinds = {layer: "slot" if isinstance(spec, RecurrentStateSpec) else "block"
+                 for layer, spec in self.runner.cache_specs.items()}
+        self.scheduler.connector, self.connector_worker = make_connector(
+            kv_config, block_size=self.config.block_size, caches=self.runner.caches, cache_kinds=kinds)
 
     # -- requests --------------------------------------------------------------
     def make_request(
-        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> Request:
         """Validate a prompt and its params; raise ValueError naming the fix."""
         text, token_ids = self._tokenize(prompt)
@@ -79,7 +92,13 @@ class EngineCore:
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
-        return Request(request_id, token_ids, params, self.config.eos_token_ids, prompt=text)
+        request = Request(request_id, token_ids, params, self.config.eos_token_ids, prompt=text)
+        if kv_transfer_params is not None:
+            if self.scheduler.connector is None:
+                raise ValueError("kv_transfer_params given, but this engine has no --kv-transfer-config")
+            request.kv_transfer_params = dict(kv_transfer_params)
+            self.scheduler.connector.num_remote_tokens(request)  # validates a consumer's params
+        return request
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -109,6 +128,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def poll_connector(self) -> list[RequestOutput]:
+        """P/D: apply what the connector's worker half finished (loads, releases)."""
+        if self.connector_worker is None:
+            return []
+        changed = self.scheduler.apply_connector_output(self.connector_worker.take_output())
+        return self._outputs_for(changed)
+
+    def start_connector_work(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.handle(self.scheduler.connector.build_metadata())
+
     # -- the step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
@@ -117,7 +147,9 @@ class EngineCore:
         return self.runner.execute_model(sched)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        changed = self.scheduler.update(sched, result)
+        return self._outputs_for(self.scheduler.update(sched, result))
+
+    def _outputs_for(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []
         for request in changed:
             if request.first_token_time is None:
@@ -167,6 +199,8 @@ class EngineCore:
             new_token_ids=new_ids,
             new_text=new_text,
             metrics=self._request_metrics(request),
+            kv_transfer_params=request.kv_transfer_params_out,
+            error=request.error,
         )
 
     @staticmethod

@@ -79,6 +79,11 @@ class Request:
     num_sent_tokens: int = 0  # output tokens already streamed to the user
     num_sent_chars: int = 0
     first_token_time: float | None = None
+    # P/D: params from the client (a consumer's producer handoff, or a producer's
+    # {"do_remote_decode": true}), and the params a producer hands back.
+    kv_transfer_params: dict | None = None
+    kv_transfer_params_out: dict | None = None
+    error: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

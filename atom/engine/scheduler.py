@@ -48,6 +48,10 @@ class Scheduler:
         self.num_accepted_tokens = 0
         # Called after each appended token: the stop string it completed, or None (set by EngineCore).
         self.text_stop = None
+        # P/D: the connector's scheduler half (see atom/kv_transfer/base.py), and the
+        # requests whose prompt KV is arriving from a producer (WAITING_FOR_REMOTE_KV).
+        self.connector = None
+        self.loading: dict[str, Request] = {}
 
     # -- admission and removal ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -57,7 +61,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Abort or stop a request wherever it is; frees its blocks and slots at once."""
+        """Abort or stop a request wherever it is; frees its blocks and slots at once, except
+        while a remote load may still write into them, or when a connector holds them for a
+        consumer to pull (both freed later, by apply_connector_output)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -66,14 +72,79 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
         self._sent_to_runner.discard(request_id)
         self._finished_since_last_step.add(request_id)
+        if request_id in self.loading:
+            self.connector.cancel_load(request_id)
+            return request
+        delay_free = False
+        if self.connector is not None:
+            delay_free, request.kv_transfer_params_out = self.connector.request_finished(request)
+        if not delay_free:
+            self.kv.free(request)
         return request
+
+    # -- P/D: remote prompt KV ---------------------------------------------------
+    def _start_remote_load(self, request: Request) -> bool:
+        """Consumer: allocate for a prompt computed elsewhere and wait for it. False: no room yet."""
+        if not self.kv.allocate_state(request):
+            return False
+        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+            self.kv.free(request)
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[request.request_id] = request
+        self.connector.after_alloc(request)
+        return True
+
+    def apply_connector_output(self, output) -> list[Request]:
+        """Finished loads start decoding from the handed-off token; failed ones end or recompute;
+        released producer holds are freed. Returns requests with new output."""
+        loaded, failed, released = self.connector.update(output)
+        for request in released:
+            self.kv.free(request)
+        changed = []
+        for request_id in loaded | set(failed):
+            request = self.loading.pop(request_id)
+            if request.status.is_finished:  # aborted while loading: now nothing writes into it
+                self.kv.free(request)
+            elif request_id in failed:
+                self._remote_load_failed(request, failed[request_id])
+            else:
+                self._remote_load_done(request)
+                changed.append(request)
+        return changed
+
+    def _remote_load_done(self, request: Request) -> None:
+        """The blocks hold the prompt's KV and the slot the state after exactly the prompt, so
+        the first sampled token is the next input: it is applied to the state once, here."""
+        params = request.kv_transfer_params
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append_tokens(request, [int(params["first_token"])], None)
+        if request.status == RequestStatus.RUNNING:
+            request.spec_token_ids = [int(t) for t in params.get("draft_token_ids") or []]
+
+    def _remote_load_failed(self, request: Request, error: str) -> None:
+        if self.config.kv_transfer_config.kv_load_failure_policy == "recompute":  # compute it here instead
+            self.kv.free(request)
+            request.kv_transfer_params = None
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+            return
+        request.error = f"remote KV load failed: {error}"
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_connector_work(self) -> bool:
+        """Loads in flight or blocks held for a consumer: the step loop must keep polling."""
+        return bool(self.loading) or bool(self.connector is not None and self.connector.held_requests)
 
     # -- planning --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -125,8 +196,13 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.connector is not None and request.num_computed_tokens == 0 and \
+                    self.connector.num_remote_tokens(request):
+                if self._start_remote_load(request):
+                    continue
+                break
             cached_blocks, num_cached = self.kv.get_computed_blocks(request)
             n = request.num_tokens - num_cached
             if n > budget and not self.config.enable_chunked_prefill:

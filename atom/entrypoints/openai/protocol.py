@@ -66,6 +66,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # P/D disaggregation, as in vLLM: {"do_remote_decode": true} asks a producer to keep the prompt's KV
+    # and return where it is; a consumer gets the producer's returned params and loads from there.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -78,7 +78,9 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, prompt, params: SamplingParams, fmt: Formatter,
                         req: protocol.SamplingFields, prompt_param: str) -> web.StreamResponse:
-        raw = self.engine.generate(prompt, params, request_id=fmt.request_id)
+        # The kwarg goes only where it is used, so engines without P/D support keep working.
+        extra = {} if req.kv_transfer_params is None else {"kv_transfer_params": req.kv_transfer_params}
+        raw = self.engine.generate(prompt, params, request_id=fmt.request_id, **extra)
         async with contextlib.aclosing(raw), contextlib.aclosing(self._observed(raw)) as outputs:
             try:
                 first = await anext(outputs)

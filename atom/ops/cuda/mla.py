@@ -45,7 +45,7 @@ def mla_decode(
     SMs without a host sync; by default the block table's capacity. Returns
     [B, H, rank] in out_dtype, or writes ``out`` (contiguous, its dtype wins).
     ``kernel`` forces one implementation (``MlaKernel`` in csrc/ops.h: 1 CUDA
-    cores, 2-5 tensor-core variants) for tests and benchmarks; 0 picks.
+    cores, 2-6 tensor-core variants) for tests and benchmarks; 0 picks.
     """
     batch, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
