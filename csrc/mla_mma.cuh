@@ -9,7 +9,7 @@
 //   online softmax in fp32, base 2          (P rounded to bf16 for the next product)
 //   O[32 x 512] = alpha O + P[32 x 64] C    C = the tile's first 512 columns
 //
-// mla_decode_mma_kernel<W, kLean> (W = 8 or 16 warps): warp w keeps Q's
+// mla_decode_mma_kernel<W, kLean, kBulk> (W = 8 or 16 warps): warp w keeps Q's
 // fragments for heads 16*(w&1).. and k quarter (w>>1)&3 in registers all
 // along, so the S product reads only K from shared memory (9 k-steps, up to
 // 8 independent accumulators); the softmax sums the four k-quarter partials.
@@ -18,7 +18,8 @@
 // tile instead of 4 (the next tile's data is awaited at the end of this one).
 // kBulk (with kLean, sm_90): each cache row arrives by one cp.async.bulk
 // completing on the stage's mbarrier instead of 72 16-byte cp.async.
-// Which layout is fastest was measured on an H200 (GPU_NOTES.md); the others
+// The default is 16 warps, lean, no bulk copies: fastest on an H200
+// (GPU_NOTES.md: 62% of the copy ceiling at batch 64, ctx 4096); the others
 // stay selectable (MlaKernel) to re-measure.
 #pragma once
 

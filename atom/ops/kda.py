@@ -101,7 +101,7 @@ def kda_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    chunk_size: int = 64,
+    chunk_size: int = 16,  # small chunks: the [C, C, K] decay tensor dominates on CPU
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract and result as ``kda_recurrent``, in chunks (WY form).
 

@@ -15,7 +15,7 @@ import torch
 from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import mla_decode_ref, write_latent_cache_ref
 
-# The tensor-core kernel: one block of 8 warps per (sequence, 32 heads, split),
+# The tensor-core kernel: one block of 16 warps per (sequence, 32 heads, split),
 # 64 positions per tile, about 200 KB of shared memory (one block per SM).
 _TC_HEADS, _TC_TILE = 32, 64
 # The CUDA-core kernel: one block per (sequence, head, split), 32-position tiles.
