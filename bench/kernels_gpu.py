@@ -74,14 +74,17 @@ def bench_kda(C, batch: int, tokens: int = 1, heads: int = 32, dim: int = 128, p
     beta = torch.rand(batch, tokens, heads, device="cuda")
     cols = tokens if per_token else 1
     pool = torch.randn(batch * cols + 8, heads, dim, dim, device="cuda") * 0.1
-    ids = torch.randperm(batch * cols + 8, device="cuda")[: batch * cols].view(batch, cols).contiguous()
+    # each sequence owns `cols` consecutive slots, in a random order; it reads the first
+    outs = (torch.randperm(batch, device="cuda") * cols).contiguous()
+    ins = outs
     out = torch.empty(batch, tokens, heads, dim, dtype=bf16, device="cuda")
     sb, st = q.stride(0), q.stride(1)
 
     def run():
         C.kda_decode(q.data_ptr(), sb, st, k.data_ptr(), sb, st, v.data_ptr(), sb, st, g.data_ptr(),
-                     beta.data_ptr(), pool.data_ptr(), pool.stride(0), ids.data_ptr(), cols, 0, out.data_ptr(),
-                     batch, tokens, heads, dim, dim, dim**-0.5, 1e-6, dtype_code(bf16), stream())  # fmt: skip
+                     beta.data_ptr(), pool.data_ptr(), pool.stride(0), ins.data_ptr(), outs.data_ptr(), per_token, 0,
+                     out.data_ptr(), batch, tokens, heads, dim, dim, dim**-0.5, 1e-6, dtype_code(bf16),
+                     stream())  # fmt: skip
 
     state_bytes = heads * dim * dim * 4
     moved = batch * state_bytes * (1 + cols)  # read once, write after each kept token
@@ -99,8 +102,8 @@ def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> d
     out = torch.empty_like(x)
 
     def run():
-        C.conv1d_update(x.data_ptr(), pool.data_ptr(), pool.stride(0), w.data_ptr(), ids.data_ptr(), 1, 0,
-                        out.data_ptr(), batch, 1, channels, width, dtype_code(bf16), stream())  # fmt: skip
+        C.conv1d_update(x.data_ptr(), pool.data_ptr(), pool.stride(0), w.data_ptr(), ids.data_ptr(), ids.data_ptr(),
+                        False, 0, out.data_ptr(), batch, 1, channels, width, dtype_code(bf16), stream())  # fmt: skip
 
     moved = 2 * batch * channels * (width - 1) * 2 + (x.numel() + out.numel() + w.numel()) * 2
     return {"op": f"conv1d_update B={batch} C={channels} W={width}", "bytes": moved, "us": time_us(run)}
@@ -168,7 +171,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
-    p.add_argument("--only", help="run only ops whose name contains this (e.g. 'mla_decode B=64')")
+    p.add_argument("--only", help="run only ops whose name contains one of these, comma-separated (e.g. 'kda,conv')")
     args = p.parse_args()
     C = get_C()
     if C is None or not torch.cuda.is_available():
@@ -200,7 +203,8 @@ def main() -> None:
         name = "gather_blocks" if gather else "scatter_blocks"
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))
         cases.append((f"{name} state", lambda g=gather: bench_blocks(C, 64, slot_bytes, g)))
-    rows = [run() for name, run in cases if args.only is None or args.only in name]
+    wanted = args.only.split(",") if args.only else None
+    rows = [run() for name, run in cases if wanted is None or any(w in name for w in wanted)]
 
     print(f"\n{'op':<52} {'us':>9} {'MB':>9} {'GB/s':>7} {'ceil%':>6} {'TFLOP/s':>8}")
     for r in rows:

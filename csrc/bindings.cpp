@@ -51,31 +51,32 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "kda_decode",
       [](uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v, int64_t v_sb,
-         int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state, int64_t slot_stride, uintptr_t slot_ids,
-         int64_t slot_cols, uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads,
-         int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream) {
-        check(atom::kda_decode(q, q_sb, q_st, k, k_sb, k_st, v, v_sb, v_st, g, beta, state, slot_stride, slot_ids,
-                               slot_cols, has_initial_state, out, batch, tokens, heads, key_dim, value_dim, scale,
-                               eps, dtype, stream));
+         int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state, int64_t slot_stride, uintptr_t state_slots,
+         uintptr_t out_slots, bool per_token, uintptr_t has_initial_state, uintptr_t out, int64_t batch,
+         int64_t tokens, int64_t heads, int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype,
+         uintptr_t stream) {
+        check(atom::kda_decode(q, q_sb, q_st, k, k_sb, k_st, v, v_sb, v_st, g, beta, state, slot_stride, state_slots,
+                               out_slots, per_token, has_initial_state, out, batch, tokens, heads, key_dim,
+                               value_dim, scale, eps, dtype, stream));
       },
       "KDA decode step over the slot-indexed fp32 state, in place (see csrc/ops.h)", py::arg("q"), py::arg("q_sb"),
       py::arg("q_st"), py::arg("k"), py::arg("k_sb"), py::arg("k_st"), py::arg("v"), py::arg("v_sb"), py::arg("v_st"),
-      py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("slot_stride"), py::arg("slot_ids"),
-      py::arg("slot_cols"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"),
+      py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("slot_stride"), py::arg("state_slots"),
+      py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"),
       py::arg("heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("scale"), py::arg("eps"),
       py::arg("dtype"), py::arg("stream"));
 
   m.def(
       "conv1d_update",
-      [](uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight, uintptr_t slot_ids,
-         int64_t slot_cols, uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens,
-         int64_t channels, int64_t width, int dtype, uintptr_t stream) {
-        check(atom::conv1d_update(x, conv_state, slot_stride, weight, slot_ids, slot_cols, has_initial_state, out,
-                                  batch, tokens, channels, width, dtype, stream));
+      [](uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight, uintptr_t state_slots,
+         uintptr_t out_slots, bool per_token, uintptr_t has_initial_state, uintptr_t out, int64_t batch,
+         int64_t tokens, int64_t channels, int64_t width, int dtype, uintptr_t stream) {
+        check(atom::conv1d_update(x, conv_state, slot_stride, weight, state_slots, out_slots, per_token,
+                                  has_initial_state, out, batch, tokens, channels, width, dtype, stream));
       },
       "depthwise causal conv1d + SiLU decode update over the slot-indexed conv state", py::arg("x"),
-      py::arg("conv_state"), py::arg("slot_stride"), py::arg("weight"), py::arg("slot_ids"), py::arg("slot_cols"),
-      py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"), py::arg("channels"),
+      py::arg("conv_state"), py::arg("slot_stride"), py::arg("weight"), py::arg("state_slots"), py::arg("out_slots"),
+      py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"), py::arg("channels"),
       py::arg("width"), py::arg("dtype"), py::arg("stream"));
 
   m.def(

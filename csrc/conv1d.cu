@@ -10,9 +10,9 @@
 //                                                  conv1d output is, then SiLU
 //   state  = window[1:]
 //
-// Slots as in kda.cu: slot_ids [B, slot_cols], slot_cols 1 (read and write
-// slot_ids[b]) or T (read slot_ids[b, 0], state after token t to
-// slot_ids[b, t]); slot_ids[b, 0] < 0 is a padding row (zero output).
+// Slots as in kda.cu: read state_slots[b], write the final state to
+// out_slots[b] or, per_token, the state after token t to out_slots[b] + t;
+// state_slots[b] < 0 is a padding row (zero output).
 // One thread per (sequence, channel); the state row of a channel is W-1
 // contiguous elements, so a warp touches one contiguous run of memory.
 #include "kernel_common.h"
@@ -25,8 +25,9 @@ struct ConvParams {
   void* state;
   int64_t slot_stride;
   const void* weight;
-  const int64_t* slot_ids;
-  int64_t slot_cols;
+  const int64_t* in_slots;
+  const int64_t* out_slots;
+  bool per_token;
   const uint8_t* has_initial_state;
   void* out;
   int tokens;
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
   if (c >= p.channels) return;
   const T* x = static_cast<const T*>(p.x);
   T* out = static_cast<T*>(p.out);
-  const int64_t slot0 = p.slot_ids[b * p.slot_cols];
+  const int64_t slot0 = p.in_slots[b];
   if (slot0 < 0) {
     for (int t = 0; t < p.tokens; ++t) out[(b * p.tokens + t) * p.channels + c] = from_float<T>(0.f);
     return;
@@ -58,7 +59,6 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
 #pragma unroll
   for (int w = 0; w < W; ++w) wt[w] = to_float(weight[w]);
 
-  const bool per_token = p.slot_cols == p.tokens && p.tokens > 1;
   for (int t = 0; t < p.tokens; ++t) {
     const int64_t i = (b * p.tokens + t) * p.channels + c;
     const float xt = to_float(x[i]);
@@ -71,9 +71,10 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
 #pragma unroll
     for (int w = 0; w + 1 < W - 1; ++w) win[w] = win[w + 1];
     win[W - 2] = xt;
-    if (per_token || t == p.tokens - 1) {
-      const int64_t dst_slot = per_token ? p.slot_ids[b * p.slot_cols + t] : slot0;
-      if (dst_slot >= 0) {
+    if (p.per_token || t == p.tokens - 1) {
+      const int64_t base = p.out_slots[b];
+      const int64_t dst_slot = base + (p.per_token ? t : 0);
+      if (base >= 0) {
         T* dst = state + dst_slot * p.slot_stride + c * (W - 1);
 #pragma unroll
         for (int w = 0; w < W - 1; ++w) dst[w] = from_float<T>(win[w]);
@@ -92,19 +93,20 @@ const char* launch(const ConvParams& p, int64_t batch, cudaStream_t stream) {
 }  // namespace
 
 const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight,
-                          uintptr_t slot_ids, int64_t slot_cols, uintptr_t has_initial_state, uintptr_t out,
+                          uintptr_t state_slots, uintptr_t out_slots, bool per_token, uintptr_t has_initial_state,
+                          uintptr_t out,
                           int64_t batch, int64_t tokens, int64_t channels, int64_t width, int dtype,
                           uintptr_t stream) {
   if (batch < 0 || tokens < 1 || channels < 1) return "conv1d_update: needs batch >= 0, tokens >= 1, channels >= 1";
-  if (slot_cols != 1 && slot_cols != tokens) return "conv1d_update: slot_ids must have 1 or `tokens` columns";
   if (batch > 65535 || tokens > INT32_MAX) return "conv1d_update: batch must be <= 65535";
   if (batch == 0) return nullptr;
   ConvParams p{reinterpret_cast<const void*>(x),
                reinterpret_cast<void*>(conv_state),
                slot_stride,
                reinterpret_cast<const void*>(weight),
-               reinterpret_cast<const int64_t*>(slot_ids),
-               slot_cols,
+               reinterpret_cast<const int64_t*>(state_slots),
+               reinterpret_cast<const int64_t*>(out_slots),
+               per_token,
                reinterpret_cast<const uint8_t*>(has_initial_state),
                reinterpret_cast<void*>(out),
                static_cast<int>(tokens),

@@ -21,11 +21,12 @@
 // so S is read once and written once per step (per token when every
 // token's state is kept), the minimum traffic.
 //
-// Slots: slot_ids [B, slot_cols]. slot_cols == 1: read slot_ids[b], write the
-// state after the last token back there. slot_cols == T: read
-// slot_ids[b, 0], write the state after token t to slot_ids[b, t] (the 1 + k
-// speculative slots; the accepted prefix's state is then already stored).
-// slot_ids[b, 0] < 0 marks a padding row: outputs zero, no state touched.
+// Slots (AttentionMetadata's state_slots / state_out_slots): read
+// state_slots[b]; write the state after the last token to out_slots[b], or,
+// per_token, the state after token t to out_slots[b] + t (the 1 + k
+// speculative slots: whichever prefix is accepted, its state is stored).
+// A sequence's reads happen before its writes, so out may alias in.
+// state_slots[b] < 0 marks a padding row: outputs zero, no state touched.
 #include "kernel_common.h"
 
 namespace atom {
@@ -40,8 +41,9 @@ struct KdaParams {
   const float* beta;
   float* state;
   int64_t slot_stride;
-  const int64_t* slot_ids;
-  int64_t slot_cols;
+  const int64_t* in_slots;
+  const int64_t* out_slots;
+  bool per_token;
   const uint8_t* has_initial_state;
   void* out;
   int tokens, heads, key_dim, value_dim;
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) kda_decode_fast_kernel(KdaPa
   const int col = blockIdx.z * kColsPerTile + lane * 4;
   const bool col_ok = col < p.value_dim;
   const int64_t V = p.value_dim;
-  const int64_t slot0 = p.slot_ids[b * p.slot_cols];
+  const int64_t slot0 = p.in_slots[b];
   if (slot0 < 0) {
     if (blockIdx.z == 0) zero_outputs<T>(p, b, h);
     return;
@@ -170,10 +172,10 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) kda_decode_fast_kernel(KdaPa
       op[2] = from_float<T>(o.z);
       op[3] = from_float<T>(o.w);
     }
-    const bool per_token = p.slot_cols == p.tokens && p.tokens > 1;
-    if (per_token || t == p.tokens - 1) {
-      const int64_t dst_slot = per_token ? p.slot_ids[b * p.slot_cols + t] : slot0;
-      if (dst_slot >= 0 && col_ok) {
+    if (p.per_token || t == p.tokens - 1) {
+      const int64_t base = p.out_slots[b];
+      const int64_t dst_slot = base + (p.per_token ? t : 0);
+      if (base >= 0 && col_ok) {
         float* dst = p.state + dst_slot * p.slot_stride + head_offset;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) *reinterpret_cast<float4*>(dst + (warp * kRows + r) * V + col) = s[r];
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(128) kda_decode_generic_kernel(KdaParams p) {
   float* d_s = smem + 2 * p.key_dim;
   const int h = blockIdx.x, b = blockIdx.y;
   const int64_t K = p.key_dim, V = p.value_dim;
-  const int64_t slot0 = p.slot_ids[b * p.slot_cols];
+  const int64_t slot0 = p.in_slots[b];
   if (slot0 < 0) {
     zero_outputs<T>(p, b, h);
     return;
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(128) kda_decode_generic_kernel(KdaParams p) {
   const bool init = p.has_initial_state == nullptr || p.has_initial_state[b] != 0;
   const int64_t head_offset = static_cast<int64_t>(h) * K * V;
   const float* src = init ? p.state + slot0 * p.slot_stride + head_offset : nullptr;
-  const bool per_token = p.slot_cols == p.tokens && p.tokens > 1;
+  const int64_t base = p.out_slots[b] >= 0 ? p.out_slots[b] : slot0;  // < 0 is not allowed; stay in bounds
 
   for (int t = 0; t < p.tokens; ++t) {
     const int64_t tok_head = (static_cast<int64_t>(b) * p.tokens + t) * p.heads + h;
@@ -210,8 +212,8 @@ __global__ void __launch_bounds__(128) kda_decode_generic_kernel(KdaParams p) {
     __syncthreads();
     const float3 f = norm_factors(p, q_s, k_s);
     const float beta = p.beta[tok_head];
-    int64_t dst_slot = per_token ? p.slot_ids[b * p.slot_cols + t] : slot0;
-    if (dst_slot < 0) dst_slot = slot0;  // not allowed (see ops.h); stay in bounds
+    // Every token's state goes to its destination; the next token reads it back from there.
+    const int64_t dst_slot = base + (p.per_token ? t : 0);
     float* dst = p.state + dst_slot * p.slot_stride + head_offset;
     const T* v = static_cast<const T*>(p.v) + b * p.v_sb + t * p.v_st + h * V;
     T* out = static_cast<T*>(p.out) + tok_head * V;
@@ -244,12 +246,12 @@ const char* launch_fast(const KdaParams& p, int64_t batch, cudaStream_t stream) 
 
 const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v,
                        int64_t v_sb, int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state,
-                       int64_t slot_stride, uintptr_t slot_ids, int64_t slot_cols, uintptr_t has_initial_state,
+                       int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, bool per_token,
+                       uintptr_t has_initial_state,
                        uintptr_t out, int64_t batch, int64_t tokens, int64_t heads, int64_t key_dim,
                        int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream) {
   if (batch < 0 || tokens < 1 || heads < 1 || key_dim < 1 || value_dim < 1)
     return "kda_decode: needs batch >= 0 and tokens, heads, key_dim, value_dim >= 1";
-  if (slot_cols != 1 && slot_cols != tokens) return "kda_decode: slot_ids must have 1 or `tokens` columns";
   if (batch > 65535 || heads > 65535 || tokens > INT32_MAX) return "kda_decode: batch and heads must be <= 65535";
   if (batch == 0) return nullptr;
   KdaParams p{reinterpret_cast<const void*>(q),
@@ -265,8 +267,9 @@ const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int
               reinterpret_cast<const float*>(beta),
               reinterpret_cast<float*>(state),
               slot_stride,
-              reinterpret_cast<const int64_t*>(slot_ids),
-              slot_cols,
+              reinterpret_cast<const int64_t*>(state_slots),
+              reinterpret_cast<const int64_t*>(out_slots),
+              per_token,
               reinterpret_cast<const uint8_t*>(has_initial_state),
               reinterpret_cast<void*>(out),
               static_cast<int>(tokens),

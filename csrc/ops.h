@@ -42,26 +42,30 @@ const char* scatter_blocks(uintptr_t cache, int64_t block_stride, uintptr_t bloc
 // beta: [batch, tokens, heads] fp32. q and k arrive raw: the kernel
 // l2-normalises both (x / sqrt(sum x^2 + eps)) and scales q by `scale`.
 // state: fp32 pool, slot s at state + s * slot_stride floats, each [heads,
-// key_dim, value_dim] contiguous. slot_ids: int64 [batch, slot_cols];
-// slot_cols == 1: read and write slot_ids[b]; slot_cols == tokens: read
-// slot_ids[b, 0], write the state after token t to slot_ids[b, t] (every
-// entry >= 0). slot_ids[b, 0] < 0: padding row, out zero, no state touched.
+// key_dim, value_dim] contiguous. state_slots, out_slots: int64 [batch]
+// (AttentionMetadata.state_slots / state_out_slots; may be the same array):
+// read state_slots[b], write the state after the last token to out_slots[b]
+// or, per_token, the state after token t to out_slots[b] + t. A sequence's
+// reads precede its writes (out may alias its own in slot); slots of
+// different sequences must not overlap. state_slots[b] < 0: padding row, out
+// zero, no state touched (then out_slots[b] is not read; otherwise >= 0).
 // has_initial_state: 0, or a uint8 [batch] device array; 0 entries start
 // from a zero state instead of reading the slot.
 const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v,
                        int64_t v_sb, int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state,
-                       int64_t slot_stride, uintptr_t slot_ids, int64_t slot_cols, uintptr_t has_initial_state,
-                       uintptr_t out, int64_t batch, int64_t tokens, int64_t heads, int64_t key_dim,
+                       int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, bool per_token,
+                       uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads, int64_t key_dim,
                        int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream);
 
 // ---- conv1d.cu: depthwise causal conv1d (width 2..5) + SiLU for decode.
 //
 // x, out: [batch, tokens, channels] `dtype` contiguous; weight [channels,
 // width]; conv_state pool, slot s at conv_state + s * slot_stride elements,
-// each [channels, width - 1] (oldest input first), `dtype`. slot_ids and
+// each [channels, width - 1] (oldest input first), `dtype`. Slots and
 // has_initial_state as for kda_decode.
 const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight,
-                          uintptr_t slot_ids, int64_t slot_cols, uintptr_t has_initial_state, uintptr_t out,
+                          uintptr_t state_slots, uintptr_t out_slots, bool per_token, uintptr_t has_initial_state,
+                          uintptr_t out,
                           int64_t batch, int64_t tokens, int64_t channels, int64_t width, int dtype,
                           uintptr_t stream);
 

@@ -108,54 +108,72 @@ def test_dispatch_uses_reference_on_cpu():
 # ---- kernels vs references (GPU) --------------------------------------------------------------
 
 
-def _slot_layout(B, T, per_token, num_slots, pad_row):
-    perm = torch.randperm(num_slots)
-    cols = T if per_token else 1
-    ids = perm[: B * cols].view(B, cols).clone()
+def _slots(B: int, T: int, mode: str, pad_row: int | None):
+    """(pool size, in slots [B], out slots [B] or None, per_token, slots read, slots written).
+
+    inplace: read and write state_slots; moved: write other slots; per_token: each
+    row owns T consecutive slots from out[b]; even rows read out[b] + 1 (so token 1's
+    state overwrites the slot they read), odd rows read a slot outside their block.
+    """
+    num_slots = B * T + B + 3
+    perm = torch.randperm(B)
+    ins = torch.randperm(num_slots)[:B] if mode != "per_token" else None
+    outs, per_token = None, False
+    if mode == "moved":
+        rest = torch.tensor([i for i in torch.randperm(num_slots).tolist() if i not in set(ins.tolist())])
+        outs = rest[:B]
+    elif mode == "per_token":
+        outs, per_token = perm * T, True
+        ins = torch.where(torch.arange(B) % 2 == 0, outs + min(1, T - 1), B * T + torch.arange(B))
     if pad_row is not None:
-        ids[pad_row] = -1
-    return ids
+        ins[pad_row] = -1
+    valid = ins >= 0
+    read = set(ins[valid].tolist())
+    dst = (ins if outs is None else outs)[valid]
+    written = {int(d) + t for d in dst for t in (range(T) if per_token else range(1))}
+    return num_slots, ins, outs, per_token, read, written
+
+
+def _poison(pool: torch.Tensor, read: set, written: set) -> None:
+    """Slots the kernel writes without reading them start as NaN."""
+    pool[sorted(written - read)] = float("nan")
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "B, T, H, K, V, per_token",
+    "B, T, H, K, V, mode",
     [
-        (1, 1, 2, 128, 128, False),  # fast path
-        (5, 1, 3, 64, 200, False),  # fast path, partial column tile
-        (7, 1, 2, 48, 40, False),  # generic kernel (odd sizes)
-        (4, 3, 32, 128, 128, True),  # 1 + 2 speculative slots, state after every token
-        (3, 2, 4, 128, 132, False),  # two tokens, final state only
-        (6, 3, 5, 24, 36, True),  # generic kernel, per-token slots
+        (1, 1, 2, 128, 128, "inplace"),  # fast path
+        (5, 1, 3, 64, 200, "moved"),  # fast path, partial column tile, state to other slots
+        (7, 1, 2, 48, 40, "inplace"),  # generic kernel (odd sizes)
+        (4, 3, 32, 128, 128, "per_token"),  # 1 + 2 speculative tokens, state after every token
+        (3, 2, 4, 128, 132, "moved"),  # two tokens, final state only
+        (6, 3, 5, 24, 36, "per_token"),  # generic kernel, per-token slots
+        (5, 2, 2, 48, 40, "moved"),  # generic kernel, two tokens into another slot
     ],
 )
-def test_kda_decode(dtype, B, T, H, K, V, per_token):
+def test_kda_decode(dtype, B, T, H, K, V, mode):
     torch.manual_seed(B * 100 + K + V)
     q, k, v = _rand(B, T, H, K, dtype=dtype), _rand(B, T, H, K, dtype=dtype), _rand(B, T, H, V, dtype=dtype)
     g = -torch.rand(B, T, H, K) * 0.5
     beta = torch.rand(B, T, H)
-    num_slots = B * T + 3
+    num_slots, ins, outs, per_token, read, written = _slots(B, T, mode, pad_row=B - 1 if B > 2 else None)
     pool = _rand(num_slots, H, K, V, scale=0.1)
-    ids = _slot_layout(B, T, per_token, num_slots, pad_row=B - 1 if B > 2 else None)
+    _poison(pool, read, written)
     has_init = torch.rand(B) > 0.3
-    # every slot the kernel writes (other than the one it reads) starts as NaN
     pool_gpu = pool.cuda()
-    if per_token:
-        valid = ids[:, 0] >= 0
-        pool_gpu[ids[valid][:, 1:].flatten().cuda()] = float("nan")
-        pool[ids[valid][:, 1:].flatten()] = float("nan")
     expected_pool = pool.clone()
-    expected = ref.kda_decode_ref(q, k, v, g, beta, expected_pool, ids, has_init)
+    expected = ref.kda_decode_ref(q, k, v, g, beta, expected_pool, ins, outs, per_token, has_init)
 
     out = torch.full((B, T, H, V), float("nan"), dtype=dtype, device="cuda")
-    kda_decode(q.cuda(), k.cuda(), v.cuda(), g.cuda(), beta.cuda(), pool_gpu, ids.cuda(),
+    kda_decode(q.cuda(), k.cuda(), v.cuda(), g.cuda(), beta.cuda(), pool_gpu, ins.cuda(),
+               out_slots=outs.cuda() if outs is not None else None, per_token=per_token,
                has_initial_state=has_init.cuda(), out=out)  # fmt: skip
     assert rel_err(out, expected) < TOL[dtype]
-    touched = ids[ids[:, 0] >= 0].flatten()
-    assert rel_err(pool_gpu[touched.cuda()], expected_pool[touched]) < 1e-5
-    untouched = torch.ones(num_slots, dtype=torch.bool)
-    untouched[touched] = False
+    touched = sorted(written)
+    assert rel_err(pool_gpu[touched], expected_pool[touched]) < 1e-5
+    untouched = [i for i in range(num_slots) if i not in written]
     assert torch.equal(pool_gpu.cpu()[untouched].nan_to_num(7.0), pool[untouched].nan_to_num(7.0))
 
 
@@ -180,26 +198,27 @@ def test_kda_decode_strided_views_of_one_conv_output():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "B, T, C, W, per_token",
-    [(3, 1, 37, 4, False), (8, 1, 12288, 4, False), (5, 3, 100, 3, True), (4, 2, 65, 2, False), (2, 1, 7, 5, False)],
-)
-def test_conv1d_update(dtype, B, T, C, W, per_token):
+    "B, T, C, W, mode",
+    [(3, 1, 37, 4, "inplace"), (8, 1, 12288, 4, "moved"), (5, 3, 100, 3, "per_token"), (4, 2, 65, 2, "moved"),
+     (2, 1, 7, 5, "inplace")],
+)  # fmt: skip
+def test_conv1d_update(dtype, B, T, C, W, mode):
     torch.manual_seed(C + W)
     x, weight = _rand(B, T, C, dtype=dtype), _rand(C, W, dtype=dtype)
-    num_slots = B * T + 2
+    num_slots, ins, outs, per_token, read, written = _slots(B, T, mode, pad_row=0 if B > 2 else None)
     pool = _rand(num_slots, C, W - 1, dtype=dtype)
-    ids = _slot_layout(B, T, per_token, num_slots, pad_row=0 if B > 2 else None)
+    _poison(pool, read, written)
     has_init = torch.rand(B) > 0.3
-    if per_token:  # slots written after tokens 1.. start as NaN
-        valid = ids[:, 0] >= 0
-        pool[ids[valid][:, 1:].flatten()] = float("nan")
     pool_gpu = pool.cuda()
     expected_pool = pool.clone()
-    expected = ref.conv1d_update_ref(x, expected_pool, weight, ids, has_init)
+    expected = ref.conv1d_update_ref(x, expected_pool, weight, ins, outs, per_token, has_init)
     out = torch.full((B, T, C), float("nan"), dtype=dtype, device="cuda")
-    conv1d_update(x.cuda(), pool_gpu, weight.cuda(), ids.cuda(), has_initial_state=has_init.cuda(), out=out)
+    conv1d_update(x.cuda(), pool_gpu, weight.cuda(), ins.cuda(), out_slots=outs.cuda() if outs is not None else None,
+                  per_token=per_token, has_initial_state=has_init.cuda(), out=out)  # fmt: skip
     assert rel_err(out, expected) < TOL[dtype]
-    assert torch.equal(pool_gpu.cpu(), expected_pool)  # state values are copies: exact
+    # state values are copies of inputs: exact (NaN only where nothing was written)
+    assert torch.equal(pool_gpu.cpu().nan_to_num(7.0), expected_pool.nan_to_num(7.0))
+    assert not pool_gpu[sorted(written)].isnan().any()
 
 
 @gpu

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import aiohttp
 import openai
@@ -272,13 +274,28 @@ async def test_health_and_models(setup):
 
 
 def test_router_cli(capsys):
-    helped = subprocess.run([sys.executable, "-m", "atom", "router", "--help"], capture_output=True, text=True,
-                            timeout=60)
-    assert helped.returncode == 0
-    assert all(flag in helped.stdout for flag in ("--prefill", "--decode", "--host", "--port", "--timeout"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["router", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in ("--prefill", "--decode", "--host", "--port", "--timeout"))
     assert cli.main(["router", "--prefill", "localhost:1", "--decode", "http://127.0.0.1:1"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "atom-engine: error: 'localhost:1' is not a server URL; use one like http://127.0.0.1:8100"]
+
+
+def test_router_cli_serves_until_sigint():
+    proc = subprocess.Popen([sys.executable, "-m", "atom", "router", "--prefill", "http://127.0.0.1:1",
+                             "--decode", "http://127.0.0.1:2", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), line
+        with urllib.request.urlopen(line.split()[-1] + "/health", timeout=10) as resp:
+            assert json.loads(resp.read())["decode"]["http://127.0.0.1:2"].startswith("unreachable")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
 
 
 # -- a real ATOM server behind the router -----------------------------------------------------------

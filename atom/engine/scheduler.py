@@ -178,8 +178,10 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            if lookahead and request.num_pending_tokens:
-                continue  # its accepted count is unknown until the step in flight returns
+            if request.num_pending_tokens and (lookahead or request.kv_transfer_params):
+                # speculation: its accepted count is unknown until the step in flight returns;
+                # P/D producer: its state must stay at the prompt boundary for the handoff
+                continue
             n = self._num_new_tokens(request, budget)
             if n <= 0:
                 continue

@@ -27,11 +27,6 @@ def usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _kv_transfer_params(out: RequestOutput) -> dict[str, Any] | None:
-    """What a P/D producer returns for the consumer (vLLM's top-level field); None elsewhere."""
-    return getattr(out, "kv_transfer_params", None)
-
-
 class Formatter:
     id_prefix = ""
     object_name = ""
@@ -92,7 +87,7 @@ class Formatter:
         choice = self._extras(self._full_choice(out, token_ids), out, token_ids)
         body = self._envelope(self.object_name, [choice])
         body["usage"] = usage(out)
-        body["kv_transfer_params"] = _kv_transfer_params(out)
+        body["kv_transfer_params"] = out.kv_transfer_params  # a P/D producer's, as in vLLM
         return self._with_prompt_ids(body, out)
 
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
@@ -109,7 +104,7 @@ class Formatter:
             self._first = False
             self._with_prompt_ids(chunks[0], out)
         if out.finished:  # a finished output always yields a chunk (see the condition above)
-            chunks[-1]["kv_transfer_params"] = _kv_transfer_params(out)
+            chunks[-1]["kv_transfer_params"] = out.kv_transfer_params
         return chunks
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:

@@ -78,14 +78,11 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, prompt, params: SamplingParams, fmt: Formatter,
                         req: protocol.SamplingFields, prompt_param: str) -> web.StreamResponse:
-        extra = {}
-        if req.kv_transfer_params is not None:
-            # TODO(P/D): read engine.config.kv_transfer_config directly once EngineConfig has the field.
-            if getattr(self.engine.config, "kv_transfer_config", None) is None:
-                raise APIError(400, "kv_transfer_params needs a server started with --kv-transfer-config "
-                               "(as a kv_producer or kv_consumer); drop the field here", param="kv_transfer_params")
-            extra["kv_transfer_params"] = req.kv_transfer_params
-        raw = self.engine.generate(prompt, params, request_id=fmt.request_id, **extra)
+        if req.kv_transfer_params is not None and self.engine.config.kv_transfer_config is None:
+            raise APIError(400, "kv_transfer_params needs a server started with --kv-transfer-config "
+                           "(as a kv_producer or kv_consumer); drop the field here", param="kv_transfer_params")
+        raw = self.engine.generate(prompt, params, request_id=fmt.request_id,
+                                   kv_transfer_params=req.kv_transfer_params)
         async with contextlib.aclosing(raw), contextlib.aclosing(self._observed(raw)) as outputs:
             try:
                 first = await anext(outputs)

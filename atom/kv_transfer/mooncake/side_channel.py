@@ -14,8 +14,9 @@ One load, one connection::
                                         <-    Reply{ok | error}
 
 The server answers every message with a Reply. A frame it cannot accept (too large,
-not msgpack, wrong schema, a Reply sent to it) gets an error Reply when the socket
-still takes one, and the connection is closed; the server goes on serving others.
+not msgpack, wrong schema, a Reply sent to it) or a request it refuses gets an error
+Reply when the socket still takes one, and the connection is closed; the server goes
+on serving others.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ MAX_FRAME_BYTES = 16 << 20
 IDLE_TIMEOUT_S = 30.0  # the server drops a connection that sends nothing for this long
 WRITE_TIMEOUT_S = 10.0
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**64 - 1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
@@ -89,8 +90,8 @@ def encode_frame(msg: Pull | Done | Reply) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-async def read_frame(reader: asyncio.StreamReader, timeout: float) -> bytes | None:
-    """One frame's body; None on a clean EOF before a frame starts."""
+async def read_frame(reader: asyncio.StreamReader, timeout: float | None) -> bytes | None:
+    """One frame's body; None on a clean EOF before a frame starts. ``timeout`` bounds each read."""
     try:
         header = await asyncio.wait_for(reader.readexactly(4), timeout)
     except asyncio.IncompleteReadError as e:
@@ -179,15 +180,15 @@ class SideChannelServer:
                     if body is None:
                         return
                     msg = decode_request(body)
-                except (FrameError, TimeoutError) as e:
+                except (FrameError, asyncio.TimeoutError) as e:
                     error = str(e) or "timed out waiting for a frame"
                     logger.warning("P/D side channel: rejected a message from %s: %s", peer, error)
                     await _try_send(writer, Reply(transfer_id="", ok=False, error=error))
                     return
                 reply = await self._handler(msg)
-                if not await _try_send(writer, reply):
-                    return
-        except (ConnectionError, OSError) as e:
+                if not await _try_send(writer, reply) or not reply.ok:
+                    return  # an error ends the conversation
+        except OSError as e:
             logger.warning("P/D side channel: connection from %s failed: %s", peer, e)
         except Exception:  # a bug in a handler must not take the server down
             logger.exception("P/D side channel: error serving %s", peer)
@@ -201,27 +202,27 @@ async def _try_send(writer: asyncio.StreamWriter, msg: Reply) -> bool:
         writer.write(encode_frame(msg))
         await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
         return True
-    except (ConnectionError, OSError, TimeoutError):
+    except (OSError, asyncio.TimeoutError):
         return False
 
 
 class SideChannelClient:
-    """One consumer connection to a producer; every call is bounded by ``timeout``."""
+    """One consumer connection to a producer. Callers bound each call (``asyncio.wait_for``)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
 
     @classmethod
-    async def connect(cls, host: str, port: int, timeout: float) -> "SideChannelClient":
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    async def connect(cls, host: str, port: int) -> "SideChannelClient":
+        reader, writer = await asyncio.open_connection(host, port)
         return cls(reader, writer)
 
-    async def call(self, msg: Pull | Done, timeout: float) -> Reply:
+    async def call(self, msg: Pull | Done) -> Reply:
         """Send one message and wait for its Reply (FrameError if the producer hangs up)."""
         self._writer.write(encode_frame(msg))
-        await asyncio.wait_for(self._writer.drain(), timeout)
-        body = await read_frame(self._reader, timeout)
+        await self._writer.drain()
+        body = await read_frame(self._reader, None)
         if body is None:
             raise FrameError("the producer closed the connection without replying")
         return decode_reply(body)
@@ -230,5 +231,5 @@ class SideChannelClient:
         self._writer.close()
         try:
             await asyncio.wait_for(self._writer.wait_closed(), 1.0)
-        except (ConnectionError, OSError, TimeoutError):
+        except (OSError, asyncio.TimeoutError):
             pass

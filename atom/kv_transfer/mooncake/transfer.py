@@ -86,8 +86,7 @@ class MooncakeTransfer:
                 raise TransferError(f"Mooncake batch write of {len(batch)} entries to {peer} returned {rc}")
 
     def close(self) -> None:
-        if self._engine is not None:
-            for addr in self._registered:
-                self._engine.unregister_memory(addr)
+        if self._engine is not None and self._registered:
+            self._engine.batch_unregister_memory(self._registered)
         self._registered.clear()
         self._engine = None

@@ -79,7 +79,7 @@ class MooncakeConnectorWorker:
         self._has_slots = "slot" in self._kinds
 
         self._transfer = MooncakeTransfer(kv_config.host, kv_config.protocol, kv_config.device_name)
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mooncake-write")
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-write")
         self._server: SideChannelServer | None = None
         # Producer.
         self._holds: dict[str, _Hold] = {}
@@ -89,6 +89,11 @@ class MooncakeConnectorWorker:
         self._cancelled: set[str] = set()
         self._loaded: set[str] = set()
         self._failed: dict[str, str] = {}
+
+    @property
+    def session_id(self) -> str:
+        """This rank's Mooncake session (``host:rpc_port``); valid after ``start()``."""
+        return self._transfer.session_id
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -120,14 +125,17 @@ class MooncakeConnectorWorker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         # Writes in flight read our memory: let them end before it is unregistered.
-        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
-        self._transfer.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._executor.shutdown)
+        await loop.run_in_executor(None, self._transfer.close)  # Mooncake's teardown takes ~1 s
 
     # -- the engine's per-step calls --------------------------------------------------
     def handle(self, meta: ConnectorMetadata) -> None:
         for hold in meta.holds:
             self._add_hold(hold)
         for load in meta.loads:
+            if load.request_id in self._tasks:
+                raise RuntimeError(f"P/D consumer invariant broken: a second load for request {load.request_id}")
             self._tasks[load.request_id] = asyncio.get_running_loop().create_task(self._load(load))
         for request_id in meta.cancelled_loads:
             self._cancel(request_id)
@@ -220,8 +228,9 @@ class MooncakeConnectorWorker:
             return "a destination state slot was named, but this model has no recurrent state"
         top_block = max(pull.dst_block_ids, default=-1)
         for kind, entry in zip(self._kinds, pull.layout):
-            outside = top_block >= entry.num_units if kind == "block" else not 0 <= pull.dst_state_slot < entry.num_units
-            if outside:
+            if kind == "block" and top_block >= entry.num_units:
+                return OUTSIDE_REGIONS
+            if kind == "slot" and not 0 <= pull.dst_state_slot < entry.num_units:
                 return OUTSIDE_REGIONS
         return None
 
@@ -250,29 +259,36 @@ class MooncakeConnectorWorker:
 
     async def _load(self, spec: LoadSpec) -> None:
         params = spec.remote
-        transfer_id, where = params["transfer_id"], f"producer {params['remote_host']}:{params['remote_port']}"
+        host, port, transfer_id = params["remote_host"], params["remote_port"], params["transfer_id"]
+        where = f"producer {host}:{port}"
         timeout = self.kv_config.transfer_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         client: SideChannelClient | None = None
         error: str | None = None
         try:
             pull = self._make_pull(spec)
-            async with asyncio.timeout(timeout):
-                client = await SideChannelClient.connect(params["remote_host"], params["remote_port"])
-                if spec.request_id in self._cancelled:
-                    error = "aborted"  # before anything was asked for; Done below frees the producer
-                else:
-                    reply = await client.call(pull)
-                    if not reply.ok or reply.transfer_id != transfer_id:
-                        error = f"{where} refused transfer {transfer_id}: {reply.error}"
+            client = await asyncio.wait_for(SideChannelClient.connect(host, port), timeout)
+            if spec.request_id in self._cancelled:
+                error = "aborted"  # before anything was asked for; Done below frees the producer
+            else:
+                reply = await asyncio.wait_for(client.call(pull), max(deadline - loop.time(), 0.0))
+                if not reply.ok or reply.transfer_id != transfer_id:
+                    error = f"{where} refused transfer {transfer_id}: {reply.error}"
         except ValueError as e:
             error = str(e)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             error = f"no answer from {where} within transfer_timeout={timeout}s"
         except (OSError, FrameError) as e:
             error = f"lost {where}: {e or type(e).__name__}"
+        except Exception as e:  # a bug here must still end the load, or the request waits forever
+            logger.exception("P/D load of request %s", spec.request_id)
+            error = f"internal error: {e!r}"
         self._finish_load(spec.request_id, error)
         if client is not None:
-            await self._say_done(client, transfer_id, where)
+            if error is None or error == "aborted":
+                await self._say_done(client, transfer_id, where)
+            await client.close()
 
     def _make_pull(self, spec: LoadSpec) -> Pull:
         params = spec.remote
@@ -307,12 +323,9 @@ class MooncakeConnectorWorker:
     async def _say_done(self, client: SideChannelClient, transfer_id: str, where: str) -> None:
         """Tell the producer to free its hold; if this fails, its lease frees it."""
         try:
-            async with asyncio.timeout(DONE_TIMEOUT_S):
-                await client.call(Done(transfer_id))
-        except (TimeoutError, OSError, FrameError) as e:
+            await asyncio.wait_for(client.call(Done(transfer_id)), DONE_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError, FrameError) as e:
             logger.debug("P/D: Done for %s to %s not acknowledged: %s", transfer_id, where, e)
-        finally:
-            await client.close()
 
 
 def _refuse(transfer_id: str, error: str) -> Reply:

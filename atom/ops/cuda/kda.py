@@ -5,9 +5,11 @@ Both work in place on the layer's state pools (``KimiDeltaAttention.cache_spec``
     conv pool      [num_slots, 3*H*K, W-1]  model dtype
     state pool     [num_slots, H, K, V]     fp32
 
-and take the slot layout described in ``atom.ops.cuda.reference`` (one slot per
-sequence, or 1 + k consecutive slots under speculative decoding). No host
-sync: safe inside a captured CUDA graph as long as the tensors stay put.
+and take the engine's slot layout (``AttentionMetadata.state_slots`` /
+``state_out_slots``; see ``atom.ops.cuda.reference``): read ``state_slots[b]``,
+write ``out_slots[b]``, or with ``per_token`` the state after token t to
+``out_slots[b] + t``. No host sync: safe inside a captured CUDA graph as long
+as the tensors stay put.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ def kda_decode(
     g: torch.Tensor,
     beta: torch.Tensor,
     state_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
+    state_slots: torch.Tensor,
     *,
+    out_slots: torch.Tensor | None = None,
+    per_token: bool = False,
     has_initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     eps: float = 1e-6,
@@ -38,8 +42,9 @@ def kda_decode(
     both and scales q by ``scale``, default K^-0.5); each token's [H, K] must be
     contiguous, the batch/token strides are free (q, k, v may be views into one
     [B, 3*H*K] conv output). v: like q with V; g: like q, fp32 log-decay;
-    beta: [B, H] or [B, T, H]; slot_ids: [B] or [B, T] int64 (see
-    ``reference.py``); has_initial_state: optional bool [B].
+    beta: [B, H] or [B, T, H]; state_slots / out_slots: int64 [B] on the
+    device (out_slots defaults to state_slots); has_initial_state: optional
+    bool [B] (False: start from zeros).
     Returns o [B, (T,) H, V] in v's dtype, written into ``out`` if given
     (contiguous; a static buffer for CUDA graphs).
     """
@@ -57,8 +62,9 @@ def kda_decode(
         raise ValueError(f"kda_decode: state_pool must be fp32 [slots, {heads}, {key_dim}, {value_dim}], "
                          f"got {state_pool.dtype} {tuple(state_pool.shape)}")
     scale = key_dim**-0.5 if scale is None else scale
-    if not kernels_apply(q, k, v, g, beta, state_pool, slot_ids):
-        ref = kda_decode_ref(q, k, v, g, beta, state_pool, slot_ids, has_initial_state, scale, eps)
+    if not kernels_apply(q, k, v, g, beta, state_pool, state_slots):
+        ref = kda_decode_ref(q, k, v, g, beta, state_pool, state_slots, out_slots, per_token, has_initial_state,
+                             scale, eps)  # fmt: skip
         return _into(ref.squeeze(1) if squeeze else ref, out)
 
     if not state_pool[0].is_contiguous():
@@ -68,7 +74,7 @@ def kda_decode(
     v = _token_major(v)
     g = g.float().contiguous()
     beta = beta.float().contiguous()
-    ids = slot_ids.reshape(batch, -1).to(torch.int64).contiguous()
+    ins, outs = _slots(state_slots, out_slots, batch, v.device)
     init = _flags(has_initial_state, v.device)
     result = _output(out, (batch, tokens, heads, value_dim), dtype, v.device)
     with torch.cuda.device(v.device):
@@ -77,7 +83,7 @@ def kda_decode(
             k.data_ptr(), k.stride(0), k.stride(1),
             v.data_ptr(), v.stride(0), v.stride(1),
             g.data_ptr(), beta.data_ptr(), state_pool.data_ptr(), state_pool.stride(0),
-            ids.data_ptr(), ids.shape[1], init.data_ptr() if init is not None else 0, result.data_ptr(),
+            ins.data_ptr(), outs.data_ptr(), per_token, init.data_ptr() if init is not None else 0, result.data_ptr(),
             batch, tokens, heads, key_dim, value_dim, float(scale), float(eps), dtype_code(dtype),
             stream_of(v.device),
         )  # fmt: skip
@@ -88,15 +94,17 @@ def conv1d_update(
     x: torch.Tensor,
     conv_pool: torch.Tensor,
     weight: torch.Tensor,
-    slot_ids: torch.Tensor,
+    state_slots: torch.Tensor,
     *,
+    out_slots: torch.Tensor | None = None,
+    per_token: bool = False,
     has_initial_state: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU for decode, updating ``conv_pool`` [slots, C, W-1] in place.
 
     x: [B, C] or [B, T, C] new raw inputs (model dtype); weight: [C, W] or the
-    module's [C, 1, W]; slot_ids / has_initial_state as for ``kda_decode``.
+    module's [C, 1, W]; slots and has_initial_state as for ``kda_decode``.
     Returns silu(conv) shaped like x, written into ``out`` if given (contiguous).
     """
     squeeze = x.dim() == 2
@@ -108,8 +116,8 @@ def conv1d_update(
     if weight.shape[0] != channels or conv_pool.shape[1:] != (channels, width - 1):
         raise ValueError(f"conv1d_update: need weight [{channels}, W] and conv_pool [slots, {channels}, W-1]; "
                          f"got {tuple(weight.shape)} and {tuple(conv_pool.shape)}")
-    if not kernels_apply(x, conv_pool, weight, slot_ids) or not 2 <= width <= 5:
-        ref = conv1d_update_ref(x, conv_pool, weight, slot_ids, has_initial_state)
+    if not kernels_apply(x, conv_pool, weight, state_slots) or not 2 <= width <= 5:
+        ref = conv1d_update_ref(x, conv_pool, weight, state_slots, out_slots, per_token, has_initial_state)
         return _into(ref.squeeze(1) if squeeze else ref, out)
 
     if not conv_pool[0].is_contiguous():
@@ -117,14 +125,14 @@ def conv1d_update(
     dtype = conv_pool.dtype
     x = x.to(dtype).contiguous()
     weight = weight.to(dtype).contiguous()
-    ids = slot_ids.reshape(batch, -1).to(torch.int64).contiguous()
+    ins, outs = _slots(state_slots, out_slots, batch, x.device)
     init = _flags(has_initial_state, x.device)
     result = _output(out, tuple(x.shape), dtype, x.device)
     with torch.cuda.device(x.device):
         C().conv1d_update(
-            x.data_ptr(), conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ids.data_ptr(),
-            ids.shape[1], init.data_ptr() if init is not None else 0, result.data_ptr(), batch, tokens, channels,
-            width, dtype_code(dtype), stream_of(x.device),
+            x.data_ptr(), conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(),
+            outs.data_ptr(), per_token, init.data_ptr() if init is not None else 0, result.data_ptr(), batch, tokens,
+            channels, width, dtype_code(dtype), stream_of(x.device),
         )  # fmt: skip
     return out if out is not None else (result.squeeze(1) if squeeze else result)
 
@@ -159,6 +167,14 @@ def _token_major(x: torch.Tensor) -> torch.Tensor:
     if x.stride(3) == 1 and x.stride(2) == dim:
         return x
     return x.contiguous()
+
+
+def _slots(state_slots: torch.Tensor, out_slots: torch.Tensor | None, batch: int, device) -> tuple:
+    """(in, out) slot ids as contiguous int64 [B] device tensors (no copy when they already are)."""
+    ins = state_slots.reshape(batch).to(device=device, dtype=torch.int64).contiguous()
+    if out_slots is None:
+        return ins, ins
+    return ins, out_slots.reshape(batch).to(device=device, dtype=torch.int64).contiguous()
 
 
 def _flags(has_initial_state: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

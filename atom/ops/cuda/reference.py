@@ -5,14 +5,19 @@ own reference path rounds, and are what ``tests/test_kernels_gpu.py``
 compares each kernel with. They are written for clarity, not speed (host
 loops, host syncs).
 
-Slot layout shared by ``kda_decode_ref`` and ``conv1d_update_ref``::
+Slot layout shared by ``kda_decode_ref`` and ``conv1d_update_ref``, the same
+as ``AttentionMetadata.state_slots`` / ``state_out_slots``::
 
-    slot_ids [B] or [B, 1]   read slot_ids[b], write the state after the last token back
-    slot_ids [B, T]          read slot_ids[b, 0]; the state after token t goes to
-                             slot_ids[b, t] (1 + k speculative slots: after verification
-                             the accepted prefix's state is already in its slot)
-    slot_ids[b, 0] < 0       padding row: output zeros, no state read or written
+    state_slots[b]           the slot read (the state before this step)
+    out_slots[b]             where the state after the last token goes (default: state_slots)
+    per_token=True           the state after token t goes to out_slots[b] + t instead
+                             (1 + k speculative tokens: whichever prefix is accepted,
+                             its state is already stored)
+    state_slots[b] < 0       padding row: output zeros, no state read or written
     has_initial_state[b]     False: start from zeros instead of the slot's contents
+
+A sequence's reads happen before its writes (its out slots may include its
+in slot); different sequences' slots must not overlap.
 """
 
 from __future__ import annotations
@@ -26,17 +31,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _slot_rows(slot_ids: torch.Tensor, batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(slot ids [B, cols] int64, indices of non-padding rows, per-token writes?)"""
-    ids = slot_ids.reshape(batch, -1).long()
-    if ids.shape[1] not in (1, tokens):
-        raise ValueError(f"slot_ids must be [B], [B, 1] or [B, T={tokens}], got {tuple(slot_ids.shape)}")
-    rows = (ids[:, 0] >= 0).nonzero().flatten()
-    return ids, rows, ids.shape[1] == tokens and tokens > 1
+def _slot_rows(
+    state_slots: torch.Tensor, out_slots: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(in slots [B], out slots [B], indices of non-padding rows), int64."""
+    ids = state_slots.reshape(-1).long()
+    outs = ids if out_slots is None else out_slots.reshape(-1).long()
+    return ids, outs, (ids >= 0).nonzero().flatten()
 
 
 def _initial(pool: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, has_initial_state) -> torch.Tensor:
-    state = pool[ids[rows, 0]].float()
+    state = pool[ids[rows]].float()
     if has_initial_state is not None:
         keep = has_initial_state.to(device=pool.device, dtype=torch.bool)[rows]
         state = torch.where(keep.view(-1, *([1] * (state.dim() - 1))), state, torch.zeros_like(state))
@@ -50,7 +55,9 @@ def kda_decode_ref(
     g: torch.Tensor,
     beta: torch.Tensor,
     state_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
+    state_slots: torch.Tensor,
+    out_slots: torch.Tensor | None = None,
+    per_token: bool = False,
     has_initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     eps: float = 1e-6,
@@ -63,7 +70,7 @@ def kda_decode_ref(
     """
     batch, tokens, heads, key_dim = q.shape
     scale = key_dim**-0.5 if scale is None else scale
-    ids, rows, per_token = _slot_rows(slot_ids, batch, tokens)
+    ids, outs, rows = _slot_rows(state_slots, out_slots)
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     if rows.numel() == 0:
         return out
@@ -78,9 +85,9 @@ def kda_decode_ref(
         state = state + kn[:, t].unsqueeze(-1) * update.unsqueeze(-2)
         out[rows, t] = torch.einsum("bhkv,bhk->bhv", state, qn[:, t]).to(v.dtype)
         if per_token:
-            state_pool[ids[rows, t]] = state.to(state_pool.dtype)
+            state_pool[outs[rows] + t] = state.to(state_pool.dtype)
     if not per_token:
-        state_pool[ids[rows, 0]] = state.to(state_pool.dtype)
+        state_pool[outs[rows]] = state.to(state_pool.dtype)
     return out
 
 
@@ -88,7 +95,9 @@ def conv1d_update_ref(
     x: torch.Tensor,
     conv_pool: torch.Tensor,
     weight: torch.Tensor,
-    slot_ids: torch.Tensor,
+    state_slots: torch.Tensor,
+    out_slots: torch.Tensor | None = None,
+    per_token: bool = False,
     has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d + SiLU for decode, in place on ``conv_pool`` [slots, C, W-1].
@@ -97,8 +106,8 @@ def conv1d_update_ref(
     y = silu(round(sum(weight * window))) (fp32 sum, rounded to x's dtype as
     torch's conv1d output is); state = window[1:]. Returns y [B, T, C].
     """
-    batch, tokens, _ = x.shape
-    ids, rows, per_token = _slot_rows(slot_ids, batch, tokens)
+    tokens = x.shape[1]
+    ids, outs, rows = _slot_rows(state_slots, out_slots)
     out = torch.zeros_like(x)
     if rows.numel() == 0:
         return out
@@ -110,9 +119,9 @@ def conv1d_update_ref(
         out[rows, t] = F.silu(y.float()).to(x.dtype)
         state = window[..., 1:]
         if per_token:
-            conv_pool[ids[rows, t]] = state.to(conv_pool.dtype)
+            conv_pool[outs[rows] + t] = state.to(conv_pool.dtype)
     if not per_token:
-        conv_pool[ids[rows, 0]] = state.to(conv_pool.dtype)
+        conv_pool[outs[rows]] = state.to(conv_pool.dtype)
     return out
 
 

@@ -1,0 +1,499 @@
+"""The Mooncake P/D connector with real parts: a real Mooncake TransferEngine over TCP
+on 127.0.0.1 and the real asyncio side channel, producer and consumer in separate
+processes (spawned peers driven over a pipe, each with its own event loop).
+
+The peers drive both connector halves the way the engine does: the producer
+finishes a request (``request_finished`` -> ``build_metadata`` -> ``handle``), the
+consumer admits one (``num_remote_tokens`` -> ``after_alloc`` -> ``build_metadata``
+-> ``handle``) and polls ``take_output`` -> ``update`` until the load ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+
+import msgspec
+import pytest
+import torch
+
+from atom.engine.request import Request, RequestStatus
+from atom.kv_transfer.base import ConnectorOutput, KVTransferConfig
+from atom.kv_transfer.factory import make_connector
+from atom.kv_transfer.mooncake.scheduler_side import MooncakeConnectorScheduler
+from atom.kv_transfer.mooncake.side_channel import (
+    MAX_FRAME_BYTES, Done, Pull, TensorLayout, decode_reply, encode_frame, read_frame,
+)
+from atom.kv_transfer.mooncake.transfer import merge_runs
+from atom.kv_transfer.mooncake.worker_side import OUTSIDE_REGIONS
+from atom.sampling_params import SamplingParams
+
+if importlib.util.find_spec("mooncake") is None:
+    pytest.skip("needs mooncake-transfer-engine(-non-cuda)", allow_module_level=True)
+
+BLOCK_SIZE = 4
+PRODUCER = dict(num_blocks=16, num_slots=6, seed=1)
+CONSUMER = dict(num_blocks=12, num_slots=8, seed=2)
+TRANSFER_TIMEOUT = 3.0
+SLOW_WRITE_S = 4.0  # > TRANSFER_TIMEOUT: the slow producer answers too late
+
+
+def make_caches(num_blocks: int, num_slots: int, seed: int):
+    """Two paged layers (one MLA-like tensor; K and V in bf16) and a state pool layer
+    (conv state in bf16, recurrent state in fp32), all random."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    caches = {
+        0: (r(num_blocks, BLOCK_SIZE, 40),),
+        1: (r(num_blocks, BLOCK_SIZE, 40, dtype=torch.bfloat16), r(num_blocks, BLOCK_SIZE, 40, dtype=torch.bfloat16)),
+        2: (r(num_slots, 3, 5, dtype=torch.bfloat16), r(num_slots, 2, 4, 4)),
+    }
+    return caches, {0: "block", 1: "block", 2: "slot"}
+
+
+# -- a peer process -------------------------------------------------------------------
+def _peer_main(conn, role, seed, num_blocks, num_slots, write_delay_s, write_entered, lease_seconds) -> None:
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    torch.set_num_threads(1)
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("atom")
+    log.setLevel(logging.WARNING)
+    log.addHandler(Collect())
+    if write_delay_s:  # a producer that stalls right before it writes
+        from atom.kv_transfer.mooncake import transfer
+
+        real_write = transfer.MooncakeTransfer.write
+
+        def slow_write(self, *args):
+            write_entered.set()
+            time.sleep(write_delay_s)
+            return real_write(self, *args)
+
+        transfer.MooncakeTransfer.write = slow_write
+    asyncio.run(_Peer(conn, role, seed, num_blocks, num_slots, records, lease_seconds).run())
+
+
+class _Peer:
+    def __init__(self, conn, role, seed, num_blocks, num_slots, records, lease_seconds):
+        self.conn, self.records = conn, records
+        self.caches, kinds = make_caches(num_blocks, num_slots, seed)
+        cfg = KVTransferConfig("mooncake", role, host="127.0.0.1", lease_seconds=lease_seconds,
+                               transfer_timeout=TRANSFER_TIMEOUT)
+        self.sched, self.worker = make_connector(cfg, block_size=BLOCK_SIZE, caches=self.caches,
+                                                 cache_kinds=kinds, engine_id=role)
+        self.num_finished = 0
+
+    async def run(self) -> None:
+        try:
+            await self.worker.start()
+        except Exception as e:
+            self.conn.send(("exc", f"{type(e).__name__}: {e}"))
+            return
+        layout = [(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0])
+                  for layer in sorted(self.caches) for t in self.caches[layer]]
+        self.conn.send(("ok", (self.sched.side_channel_port, self.worker.session_id, layout)))
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, args = await loop.run_in_executor(None, self.conn.recv)
+            if cmd == "stop":
+                await self.worker.shutdown()
+                self.conn.send(("ok", None))
+                return
+            try:
+                self.conn.send(("ok", await getattr(self, cmd)(*args)))
+            except Exception:
+                self.conn.send(("exc", traceback.format_exc()))
+
+    async def finish(self, prompt_len, block_ids, state_slot, state_offset, lease_s=None):
+        """Producer: a do_remote_decode request ends after its prefill; hold it."""
+        self.num_finished += 1
+        req = Request(f"p{self.num_finished}", list(range(prompt_len)), SamplingParams(max_tokens=1))
+        req.kv_transfer_params = {"do_remote_decode": True}
+        req.block_ids, req.state_slot, req.state_offset = list(block_ids), state_slot, state_offset
+        req.num_computed_tokens = prompt_len
+        req.output_token_ids, req.spec_token_ids = [7], [8, 9]
+        req.status = RequestStatus.FINISHED_LENGTH
+        delay_free, params = self.sched.request_finished(req)
+        assert delay_free and params is not None
+        meta = self.sched.build_metadata()
+        if lease_s is not None:
+            for hold in meta.holds:
+                hold.deadline = time.monotonic() + lease_s
+        self.worker.handle(meta)
+        return params
+
+    async def wait_released(self, transfer_id, timeout):
+        start = time.monotonic()
+        while transfer_id in self.sched.held_requests and time.monotonic() - start < timeout:
+            self.sched.update(self.worker.take_output())
+            await asyncio.sleep(0.02)
+        return transfer_id not in self.sched.held_requests, time.monotonic() - start
+
+    async def held(self):
+        self.sched.update(self.worker.take_output())
+        return sorted(self.sched.held_requests)
+
+    async def load(self, request_id, params, block_ids, state_slot, cancel=False):
+        """Consumer: admit a request with the producer's params and wait for its load."""
+        req = Request(request_id, list(range(params["num_tokens"])), SamplingParams(max_tokens=4))
+        req.kv_transfer_params = params
+        assert self.sched.num_remote_tokens(req) == req.num_prompt_tokens
+        req.block_ids, req.state_slot = list(block_ids), state_slot
+        start = time.monotonic()
+        self.sched.after_alloc(req)
+        self.worker.handle(self.sched.build_metadata())
+        if cancel:
+            self.sched.cancel_load(request_id)
+            self.worker.handle(self.sched.build_metadata())
+        while time.monotonic() - start < 30:
+            loaded, failed, _ = self.sched.update(self.worker.take_output())
+            if request_id in loaded:
+                return "loaded", None, time.monotonic() - start
+            if request_id in failed:
+                return "failed", failed[request_id], time.monotonic() - start
+            await asyncio.sleep(0.01)
+        return "stuck", None, time.monotonic() - start
+
+    async def snapshot(self):
+        buf = io.BytesIO()
+        torch.save(self.caches, buf)
+        return buf.getvalue()
+
+    async def logs(self):
+        return list(self.records)
+
+
+class PeerHandle:
+    def __init__(self, role, num_blocks, num_slots, seed, write_delay_s=0.0, lease_seconds=60.0):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.write_entered = ctx.Event()
+        self.proc = ctx.Process(target=_peer_main, daemon=True, args=(
+            child, role, seed, num_blocks, num_slots, write_delay_s, self.write_entered, lease_seconds))
+        self.proc.start()
+
+    def ready(self):
+        self.port, self.session, layout = self._recv(60)
+        self.layout = [TensorLayout(*entry) for entry in layout]
+        return self
+
+    def _recv(self, timeout):
+        assert self.conn.poll(timeout), "the peer did not answer in time"
+        status, value = self.conn.recv()
+        if status == "exc":
+            pytest.fail(f"peer failed:\n{value}")
+        return value
+
+    def send(self, cmd, *args):
+        self.conn.send((cmd, args))
+
+    def call(self, cmd, *args, timeout=30):
+        self.send(cmd, *args)
+        return self._recv(timeout)
+
+    def caches(self):
+        return torch.load(io.BytesIO(self.call("snapshot")))
+
+    def stop(self):
+        """Ask the peer to shut down (no wait; ``join`` waits)."""
+        if self.proc.is_alive():
+            try:
+                self.send("stop")
+            except OSError:
+                pass
+
+    def join(self):
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    producer = PeerHandle("kv_producer", **PRODUCER)
+    consumer = PeerHandle("kv_consumer", **CONSUMER)
+    slow = PeerHandle("kv_producer", **PRODUCER, write_delay_s=SLOW_WRITE_S)
+    try:
+        yield producer.ready(), consumer.ready(), slow.ready()
+    finally:
+        for peer in (producer, consumer, slow):
+            peer.stop()
+        for peer in (producer, consumer, slow):
+            peer.join()
+
+
+# -- helpers --------------------------------------------------------------------------
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+async def raw_exchange(port: int, data: bytes):
+    """Send raw bytes to a side channel; (the Reply, whether the server then hung up)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        body = await read_frame(reader, 5)
+        reply = decode_reply(body) if body else None
+        rest = await asyncio.wait_for(reader.read(), 5)
+        return reply, rest == b""
+    finally:
+        writer.close()
+
+
+def _frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+def pull_for(consumer, transfer_id, dst_block_ids, dst_state_slot, layout=None) -> bytes:
+    return encode_frame(Pull(transfer_id, consumer.session, layout or consumer.layout, dst_block_ids,
+                             dst_state_slot, budget_s=1.0))
+
+
+def expected_after(before, producer, src_blocks, dst_blocks, src_slot, dst_slot):
+    kinds = {0: "block", 1: "block", 2: "slot"}
+    want = {}
+    for layer, tensors in before.items():
+        want[layer] = []
+        for t, p in zip(tensors, producer[layer]):
+            t = t.clone()
+            if kinds[layer] == "block":
+                t[dst_blocks] = p[src_blocks]
+            else:
+                t[dst_slot] = p[src_slot]
+            want[layer].append(t)
+    return want
+
+
+def assert_caches_equal(got, want):
+    for layer in want:
+        for a, b in zip(got[layer], want[layer]):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"layer {layer}"
+
+
+# -- the scheduler half, in process -------------------------------------------------------
+def _finished_request(prompt_len=10, status=RequestStatus.FINISHED_LENGTH, params=None):
+    req = Request("r", list(range(prompt_len)), SamplingParams(max_tokens=1))
+    req.kv_transfer_params = {"do_remote_decode": True} if params is None else params
+    req.block_ids, req.state_slot, req.state_offset = [4, 5, 6, 9], 2, 1
+    req.num_computed_tokens, req.output_token_ids, req.spec_token_ids = prompt_len, [42], [1, 2]
+    req.status = status
+    return req
+
+
+def test_scheduler_half_producer_params_and_holds():
+    sched = MooncakeConnectorScheduler(KVTransferConfig("mooncake", "kv_producer", lease_seconds=5), "e1", 4)
+    sched.side_channel_port = 4321
+    req = _finished_request()
+    delay, params = sched.request_finished(req)
+    assert delay
+    assert params == {"transfer_id": params["transfer_id"], "engine_id": "e1", "remote_host": "127.0.0.1",
+                      "remote_port": 4321, "num_tokens": 10, "block_ids": [4, 5, 6], "state_slot": 3,
+                      "first_token": 42, "draft_token_ids": [1, 2]}
+    meta = sched.build_metadata()
+    (hold,) = meta.holds
+    assert hold.block_ids == [4, 5, 6, 9] and hold.state_slot == 3 and hold.num_tokens == 10
+    assert 4 < hold.deadline - time.monotonic() <= 5
+    assert sched.held_requests == {params["transfer_id"]: req} and sched.build_metadata().holds == []
+    _, _, released = sched.update(ConnectorOutput(released={params["transfer_id"]}))
+    assert released == [req] and sched.held_requests == {}
+    # Not asked for, aborted, or no output: nothing held.
+    for r in (_finished_request(params={}), _finished_request(status=RequestStatus.FINISHED_ABORTED)):
+        assert sched.request_finished(r) == (False, None)
+    # The state must be at the prompt boundary.
+    bad = _finished_request()
+    bad.num_computed_tokens = 11
+    with pytest.raises(RuntimeError, match="num_computed_tokens=11 != num_prompt_tokens=10"):
+        sched.request_finished(bad)
+
+
+def test_scheduler_half_consumer_validates_params():
+    sched = MooncakeConnectorScheduler(KVTransferConfig("mooncake", "kv_consumer"), "e2", 4)
+    good = {"transfer_id": "t", "engine_id": "e1", "remote_host": "127.0.0.1", "remote_port": 4321,
+            "num_tokens": 10, "block_ids": [4, 5, 6], "state_slot": 3, "first_token": 42, "draft_token_ids": []}
+    req = Request("c", list(range(10)), SamplingParams())
+    req.kv_transfer_params = good
+    assert sched.num_remote_tokens(req) == 10
+    for bad, match in [({"remote_port": "4321"}, r"remote_port"), ({"num_tokens": 9}, "9-token prompt"),
+                       ({"block_ids": [4, 5]}, "same block size"), ({"block_ids": [-1, 5, 6]}, "block_ids"),
+                       ({"first_token": True}, "first_token")]:
+        req.kv_transfer_params = {**good, **bad}
+        with pytest.raises(ValueError, match=match):
+            sched.num_remote_tokens(req)
+    req.kv_transfer_params = None
+    assert sched.num_remote_tokens(req) == 0
+    req.kv_transfer_params, req.block_ids, req.state_slot = good, [1, 2, 3], 6
+    sched.after_alloc(req)
+    sched.cancel_load("c")
+    meta = sched.build_metadata()
+    assert [(s.request_id, s.block_ids, s.state_slot) for s in meta.loads] == [("c", [1, 2, 3], 6)]
+    assert meta.cancelled_loads == ["c"]
+
+
+def test_merge_runs():
+    assert merge_runs([(0, 100, 8), (8, 108, 8), (16, 200, 8), (40, 208, 8)]) == [
+        (0, 100, 16), (16, 200, 8), (40, 208, 8)]
+
+
+async def test_bind_failure_is_a_clear_error():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        caches, kinds = make_caches(4, 2, 0)
+        cfg = KVTransferConfig("mooncake", "kv_producer", host="127.0.0.1", handshake_port=port)
+        sched, worker = make_connector(cfg, block_size=BLOCK_SIZE, caches=caches, cache_kinds=kinds)
+        with pytest.raises(RuntimeError, match=f"cannot bind 127.0.0.1:{port}.*handshake_port"):
+            await worker.start()
+        assert sched.side_channel_port is None
+    finally:
+        taken.close()
+
+
+# -- real transfers between processes -----------------------------------------------------
+def test_transfer_copies_exactly_the_held_blocks_and_slot(peers):
+    producer, consumer, _ = peers
+    p_before, c_before = producer.caches(), consumer.caches()
+    # 18 tokens: 5 blocks of 4. The 6th held block (the sampled token's) is not sent.
+    params = producer.call("finish", 18, [5, 6, 7, 2, 9, 13], 2, 1)
+    assert params["block_ids"] == [5, 6, 7, 2, 9] and params["state_slot"] == 3
+    assert params["remote_port"] == producer.port and params["first_token"] == 7
+    dst = [3, 4, 0, 10, 11, 1]  # one more than needed: truncated to the remote's 5
+    status, error, _ = consumer.call("load", "c1", params, dst, 5)
+    assert (status, error) == ("loaded", None)
+    want = expected_after(c_before, p_before, [5, 6, 7, 2, 9], dst[:5], 3, 5)
+    assert_caches_equal(consumer.caches(), want)
+    assert_caches_equal(producer.caches(), p_before)
+    released, _ = producer.call("wait_released", params["transfer_id"], 5)
+    assert released, "the consumer's Done did not release the hold"
+
+
+def test_aborted_load_is_reported_and_frees_the_producer(peers):
+    producer, consumer, _ = peers
+    params = producer.call("finish", 8, [0, 1], 0, 0)
+    status, error, _ = consumer.call("load", "c2", params, [6, 7], 1, True)
+    assert (status, error) == ("failed", "aborted")
+    released, _ = producer.call("wait_released", params["transfer_id"], 5)
+    assert released
+
+
+async def test_side_channel_garbage_is_rejected_without_side_effects(peers):
+    producer, consumer, _ = peers
+    params = producer.call("finish", 8, [10, 11], 4, 0)
+    tid = params["transfer_id"]
+    c_before = consumer.caches()
+    enc = msgspec.msgpack.encode
+    garbage = {
+        "random bytes": (13).to_bytes(4, "big") + os.urandom(13),
+        "oversize frame": (MAX_FRAME_BYTES + 1).to_bytes(4, "big") + b"x" * 64,
+        "wrong schema": _frame(enc({"type": "pull", "transfer_id": 5})),
+        "unknown field": _frame(enc({"type": "done", "transfer_id": tid, "evil": 1})),
+        "unknown type": _frame(enc({"type": "free_everything", "transfer_id": tid})),
+        "a reply": _frame(enc({"type": "reply", "transfer_id": tid, "ok": True})),
+        "unknown transfer id": pull_for(consumer, "0" * 32, [0, 1], 0),
+        "unknown Done": encode_frame(Done("1" * 32)),
+    }
+    for what, data in garbage.items():
+        reply, hung_up = await raw_exchange(producer.port, data)
+        assert reply is not None and not reply.ok and reply.error, what
+        assert hung_up, f"{what}: the connection stayed open"
+    # A frame cut short, then EOF: no reply to give, the server just moves on.
+    _, writer = await asyncio.open_connection("127.0.0.1", producer.port)
+    writer.write((100).to_bytes(4, "big") + b"abc")
+    writer.write_eof()
+    writer.close()
+    # Nothing changed: the hold is there, the consumer's memory untouched, and the
+    # server still serves the real pull.
+    assert tid in producer.call("held")
+    assert_caches_equal(consumer.caches(), c_before)
+    status, error, _ = consumer.call("load", "c3", params, [8, 9], 2)
+    assert (status, error) == ("loaded", None)
+    assert producer.call("wait_released", tid, 5)[0]
+    # Replaying the finished transfer's Pull: refused, nothing written.
+    c_before = consumer.caches()
+    reply, hung_up = await raw_exchange(producer.port, pull_for(consumer, tid, [0, 1], 0))
+    assert not reply.ok and "unknown transfer id" in reply.error and hung_up
+    assert_caches_equal(consumer.caches(), c_before)
+
+
+async def test_pull_outside_the_consumer_regions_is_refused_and_logged(peers):
+    producer, consumer, _ = peers
+    params = producer.call("finish", 8, [12, 14], 1, 0)
+    tid = params["transfer_id"]
+    c_before = consumer.caches()
+    # Block 12 and slot 8 are one past the consumer's 12 blocks and 8 slots.
+    for dst_blocks, dst_slot in [([0, 12], 0), ([0, 1], 8), ([0, 1], -1)]:
+        reply, hung_up = await raw_exchange(producer.port, pull_for(consumer, tid, dst_blocks, dst_slot))
+        assert not reply.ok and reply.error == OUTSIDE_REGIONS and hung_up
+    # The same model is required: a layout that differs is refused too.
+    wrong = consumer.layout[:-1]
+    reply, _ = await raw_exchange(producer.port, pull_for(consumer, tid, [0, 1], 0, layout=wrong))
+    assert not reply.ok and "layout mismatch" in reply.error
+    assert_caches_equal(consumer.caches(), c_before)
+    assert sum(OUTSIDE_REGIONS in line for line in producer.call("logs")) >= 3
+    # Refusals have no side effects: the hold still serves a well-formed pull.
+    status, error, _ = consumer.call("load", "c4", params, [2, 3], 3)
+    assert (status, error) == ("loaded", None)
+
+
+async def test_lease_expiry_releases_the_hold(peers):
+    producer, consumer, _ = peers
+    params = producer.call("finish", 8, [3, 4], 5, 0, 0.3)
+    released, waited = producer.call("wait_released", params["transfer_id"], 5)
+    assert released and 0.2 < waited < 2
+    # A consumer that comes after the lease gets a clear refusal.
+    status, error, _ = consumer.call("load", "c5", params, [0, 1], 0)
+    assert status == "failed" and "unknown transfer id" in error
+
+
+def test_producer_gone_before_the_pull_fails_fast(peers):
+    _, consumer, _ = peers
+    params = {"transfer_id": "f" * 32, "engine_id": "gone", "remote_host": "127.0.0.1", "remote_port": closed_port(),
+              "num_tokens": 8, "block_ids": [0, 1], "state_slot": 0, "first_token": 1, "draft_token_ids": []}
+    status, error, elapsed = consumer.call("load", "c6", params, [0, 1], 0)
+    assert status == "failed" and f"lost producer 127.0.0.1:{params['remote_port']}" in error, error
+    assert elapsed < 2
+
+
+def test_producer_stalled_or_killed_mid_transfer_fails_in_bounded_time(peers):
+    _, consumer, slow = peers
+    c_before = consumer.caches()
+    # Stalled: the consumer gives up at transfer_timeout; the producer, past the
+    # consumer's budget when it wakes, writes nothing and drops the hold.
+    params = slow.call("finish", 8, [0, 1], 0, 0)
+    status, error, elapsed = consumer.call("load", "c7", params, [4, 5], 6)
+    assert status == "failed" and "transfer_timeout" in error, error
+    assert TRANSFER_TIMEOUT - 0.1 < elapsed < TRANSFER_TIMEOUT + 1
+    released, _ = slow.call("wait_released", params["transfer_id"], SLOW_WRITE_S + 2)
+    assert_caches_equal(consumer.caches(), c_before)
+    assert released
+    # Killed while it handles the pull: the consumer learns at once.
+    params = slow.call("finish", 8, [2, 3], 1, 0)
+    slow.write_entered.clear()
+    consumer.send("load", "c8", params, [4, 5], 6)
+    assert slow.write_entered.wait(10)
+    os.kill(slow.proc.pid, signal.SIGKILL)
+    status, error, elapsed = consumer._recv(TRANSFER_TIMEOUT + 5)
+    assert status == "failed" and "lost producer" in error, error
+    assert elapsed < TRANSFER_TIMEOUT
+    assert_caches_equal(consumer.caches(), c_before)
