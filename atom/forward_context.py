@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterator
 
 import torch
@@ -47,14 +48,45 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    # Derived once per step (every layer asks): host values from the host lists, device
+    # tensors uploaded once on the step's device, so no layer syncs or re-uploads.
+    @cached_property
     def query_lens(self) -> list[int]:
         q = self.query_start_loc
         return [q[i + 1] - q[i] for i in range(len(q) - 1)]
 
-    @property
+    @cached_property
     def is_pure_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+    @cached_property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @cached_property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens, default=0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.state_slots.device
+
+    @cached_property
+    def has_initial_state(self) -> torch.Tensor:
+        """[B] bool: False for a sequence starting from an empty recurrent state (context_len == 0)."""
+        return torch.tensor([c > 0 for c in self.context_lens], device=self.device)
+
+    @cached_property
+    def token_seq_ids(self) -> torch.Tensor:
+        """[T] int64: the sequence each token of the flat batch belongs to."""
+        ids = [b for b, n in enumerate(self.query_lens) for _ in range(n)]
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    @cached_property
+    def token_seq_lens(self) -> torch.Tensor:
+        """[T] int32: positions each token attends to (its own included): context_len + j + 1."""
+        lens = [c + j + 1 for c, n in zip(self.context_lens, self.query_lens) for j in range(n)]
+        return torch.tensor(lens, dtype=torch.int32, device=self.device)
 
 
 @dataclass

@@ -201,7 +201,8 @@ def main() -> None:
         model = args.model
     lens = [int(n) for n in args.prompt_lens.split(",")]
     prompts = [[(7 * i + n) % 300 + 3 for i in range(n)] for n in lens]
-    common = ["--model", model, "--dtype", "float32", "--served-model-name", "m",
+    # No prefix caching: the repeats would otherwise skip their prefill.
+    common = ["--model", model, "--dtype", "float32", "--served-model-name", "m", "--no-enable-prefix-caching",
               "--max-model-len", str(max(lens) + args.output_len + 8)]
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]

@@ -54,7 +54,7 @@ def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     leg.pop("stream_options", None)
     if chat:
         leg["max_completion_tokens"] = 1
-    if "min_tokens" in body:  # the producer samples the first token: it must obey min_tokens >= 1 too
+    if isinstance(body.get("min_tokens"), int):  # the producer samples the first token: min_tokens >= 1 binds it
         leg["min_tokens"] = min(body["min_tokens"], 1)
     return leg
 

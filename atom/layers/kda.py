@@ -13,6 +13,12 @@ Recurrent state lives in a slot-indexed pool, one slot per running sequence
 A sequence with ``context_lens == 0`` starts from zeros whatever its slot
 holds (slots are reused); afterwards its slot holds the state after its last
 new token.
+
+On a GPU with the ``atom._C`` kernels, decode rows (one token each) and
+speculative verification rows (1 + k tokens each, all the same length) run
+``conv1d_update`` + ``kda_decode`` + ``gated_rmsnorm`` straight on the slot
+pools; prefills keep the torch reference (chunked form). Elsewhere every
+group runs the reference.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.layers.norm import GatedRMSNorm
 from atom.ops import PaddedLayout, split_decode_prefill
+from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, kernels_apply
 from atom.ops.kda import causal_conv1d_with_inputs, conv_states_per_token, kda, kda_recurrent_states, l2norm
 
 
@@ -57,6 +64,22 @@ class KimiDeltaAttention(nn.Module):
         self.g_a_proj, self.g_b_proj = linear(hidden_size, head_dim), linear(head_dim, dim)
         self.o_norm = GatedRMSNorm(head_dim, eps=rms_norm_eps, dtype=dtype)  # shared across heads
         self.o_proj = linear(dim, hidden_size)
+        # [3*H*K, W] q|k|v conv weights in one tensor, made by fuse_conv_weights() after loading
+        self.register_buffer("conv_weight", None, persistent=False)
+
+    @torch.no_grad()
+    def fuse_conv_weights(self) -> None:
+        """Stack the loaded q/k/v conv weights once; they become views into ``conv_weight``."""
+        fused = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        self.conv_weight = fused
+        dim = self.num_heads * self.head_dim
+        for i, conv in enumerate((self.q_conv1d, self.k_conv1d, self.v_conv1d)):
+            conv.weight.data = fused[i * dim : (i + 1) * dim].unsqueeze(1)
+
+    def _conv_weight(self) -> torch.Tensor:
+        if self.conv_weight is not None:
+            return self.conv_weight
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
 
     def cache_spec(self) -> RecurrentStateSpec:
         dim, k = self.num_heads * self.head_dim, self.head_dim
@@ -72,14 +95,49 @@ class KimiDeltaAttention(nn.Module):
         g = self._decay(x)  # [T, H, K] fp32
         beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
         # Fresh sequences start from zeros: select (not multiply) so stale NaNs cannot leak.
-        continuing = torch.tensor([c > 0 for c in md.context_lens], device=x.device)
+        continuing = md.has_initial_state
+        fused = kernels_apply(x)
         out = x.new_empty(x.shape[0], self.num_heads, self.head_dim)
         apart = md.per_token_state_seqs
-        for layout in split_decode_prefill(md.query_start_loc, x.device, apart):
+        layouts = split_decode_prefill(md.query_start_loc, x.device, apart)
+        for layout in layouts:
             per_token = bool(apart) and layout.seqs == apart
-            out[layout.token_ids] = self._recur(mixed, g, beta, continuing, layout, per_token).to(x.dtype)
+            whole = layout.num_seqs == md.num_seqs  # the group is the whole step, in order
+            if fused and _kernel_group(md, layout, per_token):
+                rows = self._recur_kernels(mixed, g, beta, layout, whole, per_token)
+            else:
+                rows = self._recur(mixed, g, beta, continuing, layout, per_token).to(x.dtype)
+            if whole:
+                out = rows
+            else:
+                out[layout.token_ids] = rows
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        if fused:
+            return self.o_proj(gated_rmsnorm(out, gate, self.o_norm.weight, self.o_norm.eps).flatten(1))
         return self.o_proj(self.o_norm(out, gate).flatten(1))
+
+    def _recur_kernels(self, mixed, g, beta, layout: PaddedLayout, whole: bool, per_token: bool) -> torch.Tensor:
+        """``_recur`` for B sequences of T tokens each (decode: T = 1) through the CUDA kernels.
+
+        The kernels read ``state_slots``, write ``state_out_slots`` (or, with
+        ``per_token``, the state after token t to ``state_out_slots + t``) in place
+        on the pools, and start fresh sequences from zeros. Returns [B*T, H, V]
+        in the model dtype. ``whole``: the group is the step's whole batch, in order.
+        """
+        ctx = get_forward_context()
+        conv_pool, state_pool = ctx.caches[self.layer_idx]
+        md = ctx.attn_metadata
+        tokens = (lambda t: t) if whole else (lambda t: t[layout.token_ids])  # noqa: E731
+        seqs = (lambda t: t) if whole else (lambda t: t[layout.seq_ids])  # noqa: E731
+        slots, out_slots, keep = seqs(md.state_slots), seqs(md.state_out_slots), seqs(md.has_initial_state)
+        heads, dim = self.num_heads, self.head_dim
+        shape = (layout.num_seqs, layout.max_len)  # [B, T]
+        conv = conv1d_update(tokens(mixed).view(*shape, -1), conv_pool, self._conv_weight(), slots,
+                             out_slots=out_slots, per_token=per_token, has_initial_state=keep)  # fmt: skip
+        q, k, v = (t.unflatten(-1, (heads, dim)) for t in conv.split(heads * dim, dim=-1))
+        out = kda_decode(q, k, v, tokens(g).view(*shape, heads, dim), tokens(beta).view(*shape, heads), state_pool,
+                         slots, out_slots=out_slots, per_token=per_token, has_initial_state=keep)  # fmt: skip
+        return out.view(-1, heads, dim)
 
     def _recur(self, mixed, g, beta, continuing, layout: PaddedLayout, per_token: bool) -> torch.Tensor:
         """Short conv + delta rule for one group of sequences, through their state slots. Returns [T', H, V] fp32.
@@ -96,7 +154,7 @@ class KimiDeltaAttention(nn.Module):
         conv_state = torch.where(keep[:, None, None], conv_pool[slots], 0)
         state = torch.where(keep[:, None, None, None], state_pool[slots], 0)
 
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+        weight = self._conv_weight()
         x = layout.pad(mixed).transpose(1, 2)
         conv_out, conv_state, window = causal_conv1d_with_inputs(x, conv_state, weight, layout.lengths)
         q, k, v = conv_out.transpose(1, 2).unflatten(-1, (3 * self.num_heads, self.head_dim)).float().chunk(3, dim=2)
@@ -123,6 +181,14 @@ class KimiDeltaAttention(nn.Module):
         # softplus written out as transformers does (identity above 20), to round the same way
         softplus = torch.where(raw > 20.0, raw, torch.log(1.0 + torch.exp(raw)))
         return -torch.exp(self.A_log.float().view(self.num_heads, 1)) * softplus
+
+
+def _kernel_group(md, layout: PaddedLayout, per_token: bool) -> bool:
+    """Whether the decode kernels take this group: decode rows, or verification rows all of one length."""
+    if not per_token:
+        return layout.max_len == 1
+    lens = md.query_lens
+    return all(lens[b] == layout.max_len for b in layout.seqs)
 
 
 class _DepthwiseConv(nn.Module):

@@ -6,6 +6,11 @@ split into W_UK [H, nope, r] and W_UV [H, v, r]; attention runs in latent
 space (absorbed form, see ``atom.ops.mla``):
 
     q_latent = q_nope @ W_UK      out = (softmax(...) @ c) @ W_UV^T
+
+On a GPU with the ``atom._C`` kernels, steps whose sequences all bring few
+new tokens (decode, 1 + k speculative verification) write the cache with
+``write_latent_cache`` and attend with ``mla_decode``, one query row per
+token over its own prefix; longer steps use the torch reference.
 """
 
 from __future__ import annotations
@@ -16,8 +21,14 @@ from torch import nn
 from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import MLASpec
 from atom.layers.norm import RMSNorm
+from atom.ops import cuda as kernels
 from atom.ops import split_decode_prefill
 from atom.ops.mla import mla_attention, write_latent_cache
+
+# Steps whose longest query is at most this many tokens go through mla_decode
+# (decode, speculative verification, MTP drafting): each token row reads its
+# whole prefix, so this only pays for short queries.
+KERNEL_MAX_QUERY_LEN = 8
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -66,18 +77,35 @@ class MultiHeadLatentAttention(nn.Module):
         md = ctx.attn_metadata
         (latent_cache,) = ctx.caches[self.layer_idx]
 
+        fused = kernels.kernels_apply(hidden_states) and md.max_query_len <= KERNEL_MAX_QUERY_LEN
         latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        write_latent_cache(latent_cache, torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1), md.slot_mapping)
+        if fused:
+            kernels.write_latent_cache(latent_cache, self.kv_a_layernorm(latent), k_rot, md.slot_mapping)
+        else:
+            write_latent_cache(latent_cache, torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1), md.slot_mapping)
 
         q_nope, q_rope = self._query(hidden_states).split([self.nope_dim, self.rope_dim], dim=-1)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        out_latent = q_latent.new_empty(q_latent.shape, dtype=torch.float32)
-        for layout in split_decode_prefill(md.query_start_loc, hidden_states.device):
-            out_latent[layout.token_ids] = mla_attention(q_latent, q_rope, latent_cache, md, layout, self.scale)
+        if fused:
+            out_latent = self._decode_kernel(q_latent, q_rope, latent_cache, md)
+        else:
+            out_latent = q_latent.new_empty(q_latent.shape, dtype=torch.float32)
+            for layout in split_decode_prefill(md.query_start_loc, hidden_states.device):
+                out_latent[layout.token_ids] = mla_attention(q_latent, q_rope, latent_cache, md, layout, self.scale)
         out = torch.einsum("thr,hvr->thv", out_latent.to(hidden_states.dtype), w_uv)
         return self.o_proj(out.flatten(1))
+
+    def _decode_kernel(self, q_latent, q_rope, latent_cache, md) -> torch.Tensor:
+        """Latent output [T, H, r] fp32 from ``mla_decode``, one row per token.
+
+        Token j of sequence b attends to its first context_lens[b] + j + 1 cache
+        rows through b's block-table row (decode: the table itself, no gather).
+        """
+        tables = md.block_tables if md.is_pure_decode else md.block_tables[md.token_seq_ids]
+        return kernels.mla_decode(q_latent, q_rope, latent_cache, tables, md.token_seq_lens, self.scale,
+                                  max_seq_len=md.max_seq_len, out_dtype=torch.float32)  # fmt: skip
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, nope + rope], nope part first."""

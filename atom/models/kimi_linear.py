@@ -283,3 +283,5 @@ class KimiLinearForCausalLM(nn.Module):
         for layer in self.model.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.experts.fuse()
+            if isinstance(layer.self_attn, KimiDeltaAttention):
+                layer.self_attn.fuse_conv_weights()

@@ -12,11 +12,15 @@ links against torch's C++ ABI.
     mla_decode            MLA absorbed decode attention over the paged latent cache
     write_latent_cache    MLA cache rows [latent | k_rot] at slot_mapping
 
+``kernels_apply(*tensors)`` says whether the kernels run on given tensors
+(layers use it to pick the kernel-shaped path).
+
 Whole-block gathers/scatters for P/D and offload live in ``atom.ops.cache_ops``.
 """
 
+from atom.ops.cuda._launch import kernels_apply
 from atom.ops.cuda.kda import conv1d_update, kda_decode
 from atom.ops.cuda.mla import mla_decode, write_latent_cache
 from atom.ops.cuda.norm import gated_rmsnorm
 
-__all__ = ["kda_decode", "conv1d_update", "gated_rmsnorm", "mla_decode", "write_latent_cache"]
+__all__ = ["kernels_apply", "kda_decode", "conv1d_update", "gated_rmsnorm", "mla_decode", "write_latent_cache"]
