@@ -111,6 +111,8 @@ class Scheduler:
                 self.kv.free(request)
             elif request_id in failed:
                 self._remote_load_failed(request, failed[request_id])
+                if request.is_finished:
+                    changed.append(request)  # the front end must hear it ended
             else:
                 self._remote_load_done(request)
                 changed.append(request)

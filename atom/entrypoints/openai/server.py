@@ -86,8 +86,9 @@ class OpenAIServer:
         async with contextlib.aclosing(raw), contextlib.aclosing(self._observed(raw)) as outputs:
             try:
                 first = await anext(outputs)
-            except ValueError as exc:  # the engine rejected the prompt (empty, too long, bad ids)
-                raise APIError(400, str(exc), param=prompt_param) from None
+            except ValueError as exc:  # the engine rejected the prompt (empty, too long, bad ids) or P/D params
+                param = "kv_transfer_params" if "kv_transfer_params" in str(exc) else prompt_param
+                raise APIError(400, str(exc), param=param) from None
             if req.stream:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 return await self._stream(request, first, outputs, fmt, include_usage)
@@ -161,7 +162,9 @@ def _raise_if_failed(out: RequestOutput) -> None:
     if reason == "abort":
         raise APIError(503, "the request was aborted before it finished (is the server shutting down?)")
     if reason == "error":
-        raise APIError(500, "the request failed inside the engine")
+        # e.g. a P/D consumer whose producer died: the engine says what failed
+        raise APIError(502 if out.error and "remote KV" in out.error else 500,
+                       out.error or "the request failed inside the engine")
 
 
 def _error_for(exc: BaseException) -> APIError:

@@ -65,8 +65,15 @@ class MooncakeConnectorScheduler:
         """Prompt tokens that arrive from a producer: all of them, or 0. Raises ValueError
         (the client's mistake) for params that are not a producer's."""
         params = request.kv_transfer_params
-        if self.is_producer or params is None or "transfer_id" not in params:
+        if params is None:
             return 0
+        if self.is_producer:
+            if set(params) - {"do_remote_decode"} or not isinstance(params.get("do_remote_decode", False), bool):
+                raise ValueError('a kv_producer takes kv_transfer_params {"do_remote_decode": true} only')
+            return 0
+        if "transfer_id" not in params:
+            raise ValueError("this engine is a kv_consumer: kv_transfer_params must be the ones the prefill "
+                             "(kv_producer) engine returned")
         try:
             remote = msgspec.convert(params, RemoteParams)
         except msgspec.ValidationError as e:
