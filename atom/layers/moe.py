@@ -20,11 +20,12 @@ from torch import nn
 class GatedMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x))."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None,
+                 bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -11,37 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.cache_spec import PagedKVSpec
+from atom.layers.moe import GatedMLP
+from atom.layers.norm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding, rope_parameters
-
-
-class _RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale by the weight."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
@@ -59,8 +35,8 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias, dtype=dtype)
         if qk_norm:
-            self.q_norm = _RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
-            self.k_norm = _RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
+            self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
+            self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
         self.qk_norm = qk_norm
         self.rotary_emb = rotary  # shared by all layers
         self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_idx)
@@ -82,9 +58,9 @@ class LlamaDecoderLayer(nn.Module):
         eps = cfg["rms_norm_eps"]
         self.self_attn = LlamaAttention(cfg, layer_idx, rotary, qk_norm, dtype)
         mlp_bias = bool(cfg.get("mlp_bias", False))
-        self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], mlp_bias, dtype)
-        self.input_layernorm = _RMSNorm(cfg["hidden_size"], eps, dtype)
-        self.post_attention_layernorm = _RMSNorm(cfg["hidden_size"], eps, dtype)
+        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], dtype, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # Same op order as HF (residual adds in the model dtype) so bf16 matches too.
@@ -100,7 +76,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary_emb, qk_norm, dtype) for i in range(cfg["num_hidden_layers"])
         )
-        self.norm = _RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
