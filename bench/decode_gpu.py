@@ -140,8 +140,9 @@ def main() -> None:
     n_params = sum(x.numel() for x in model.parameters())
     from atom.ops._C_loader import use_kernels
 
-    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, model {n_params / 1e9:.2f}B params, "
-          f"atom._C kernels {'on' if use_kernels() else 'off'}, torch {torch.__version__}")
+    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
+          f"model {n_params / 1e9:.2f}B params, atom._C kernels {'on' if use_kernels() else 'off'}, "
+          f"torch {torch.__version__}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
