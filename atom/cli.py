@@ -31,7 +31,7 @@ _FIELD_OF = {"num_gpu_blocks_override": "num_gpu_blocks"}
 _ENGINE_DESTS = (
     "model", "tokenizer", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "enable_prefix_caching", "enable_chunked_prefill", "num_gpu_blocks_override", "kv_cache_memory", "seed",
-    "device", "speculative_config", "async_scheduling", "kv_transfer_config",
+    "device", "speculative_config", "async_scheduling", "kv_transfer_config", "enforce_eager",
 )
 
 
@@ -99,6 +99,8 @@ def _engine_flags() -> argparse.ArgumentParser:
                         "(methods: ngram, mtp); validated only for now: drafting is not implemented yet")
     g.add_argument("--async-scheduling", action="store_true", default=None,
                    help="overlap: plan and queue the next step while the current one runs")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",
                    help='prefill/decode disaggregation, e.g. \'{"kv_connector": "mooncake", "kv_role": '
                         '"kv_producer", "protocol": "tcp", "handshake_port": 0}\' (roles: kv_producer, kv_consumer)')

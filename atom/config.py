@@ -93,6 +93,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     async_scheduling: bool = False  # overlap: plan step N+1 while step N runs
     kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
+    enforce_eager: bool = False  # never capture CUDA graphs of decode steps (CPU always runs eagerly)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,9 @@ class LLM:
         if isinstance(spec, dict):
             spec = SpeculativeConfig.from_dict(spec)
         self.config = EngineConfig(model=model, speculative_config=spec, **kwargs)
+        if self.config.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config (P/D) needs the event-loop engine: use AsyncEngine or "
+                             "`atom-engine serve --kv-transfer-config ...`, not LLM")
         self.engine = EngineCore(self.config)
         self._next_id = 0
 

@@ -2,6 +2,7 @@
 
     python bench/decode_gpu.py                       # batch 1, 16, 64; 64 prompt + 64 new tokens
     python bench/decode_gpu.py --batches 1,16 --output-len 32 --skip-hf
+    python bench/decode_gpu.py --eager-too           # also ATOM with --enforce-eager (no CUDA graphs)
 
 The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
@@ -91,13 +92,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int) -> float:
+def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False) -> float:
     from atom import LLM, SamplingParams
 
     batch = len(prompts)
     max_len = len(prompts[0]) + new_tokens + 8
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=max_len,
-              max_num_batched_tokens=max(2048, batch * len(prompts[0])), enable_prefix_caching=False)  # fmt: skip
+              max_num_batched_tokens=max(2048, batch * len(prompts[0])), enable_prefix_caching=False,
+              enforce_eager=enforce_eager)  # fmt: skip
 
     def run(n):
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
@@ -133,6 +135,7 @@ def main() -> None:
     p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-atom", action="store_true")
+    p.add_argument("--eager-too", action="store_true", help="also run ATOM with enforce_eager (no CUDA graphs)")
     args = p.parse_args()
 
     ceiling = copy_gbps()
@@ -148,23 +151,28 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()
         hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
-        atom = None
-        if not args.skip_atom:
-            try:
-                atom = atom_decode_tps(args.ckpt, prompts, args.output_len)
-            except Exception as e:  # report and keep the HF numbers
-                print(f"atom failed at batch {batch}: {type(e).__name__}: {e}")
+        atom = _try_atom(args, prompts, batch, enforce_eager=False) if not args.skip_atom else None
+        eager = _try_atom(args, prompts, batch, enforce_eager=True) if args.eager_too else None
         context = args.input_len + args.output_len // 2
         roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
-        rows.append((batch, atom, hf, roof))
-        print(f"batch {batch}: atom {atom}, hf {hf}, roofline {roof:.0f} tok/s", flush=True)
+        rows.append((batch, atom, eager, hf, roof))
+        print(f"batch {batch}: atom {atom}, atom eager {eager}, hf {hf}, roofline {roof:.0f} tok/s", flush=True)
 
-    print(f"\n{'batch':>5} {'atom tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9}")
-    for batch, atom, hf, roof in rows:
+    print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} "
+          f"{'atom/roof':>9}")
+    for batch, atom, eager, hf, roof in rows:
         fmt = lambda x, w: f"{x:{w}.0f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = f"{atom / hf:6.2f}" if atom and hf else f"{'-':>6}"
         frac = f"{atom / roof:9.1%}" if atom else f"{'-':>9}"
-        print(f"{batch:>5} {fmt(atom, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} {frac}")
+        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} {frac}")
+
+
+def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool) -> float | None:
+    try:
+        return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager)
+    except Exception as e:  # report and keep the other numbers
+        print(f"atom (enforce_eager={enforce_eager}) failed at batch {batch}: {type(e).__name__}: {e}")
+        return None
 
 
 if __name__ == "__main__":

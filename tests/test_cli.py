@@ -19,7 +19,7 @@ ENGINE_FLAGS = [
     "--model", "--tokenizer", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
     "--no-enable-chunked-prefill", "--num-gpu-blocks-override", "--kv-cache-memory", "--seed", "--device",
-    "--speculative-config", "--async-scheduling",
+    "--speculative-config", "--async-scheduling", "--enforce-eager",
 ]
 SERVE_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--no-uvloop"]
 GENERATE_FLAGS = ["--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--ignore-eos"]
@@ -103,12 +103,12 @@ def test_unknown_model_folder(tmp_path):
 def test_flags_map_onto_engine_config(kimi_ckpt):
     args = cli.build_parser().parse_args([
         "serve", "--model", kimi_ckpt, "--max-num-seqs", "3", "--num-gpu-blocks-override", "300",
-        "--kv-cache-memory", "64M", "--no-enable-prefix-caching", "--async-scheduling",
+        "--kv-cache-memory", "64M", "--no-enable-prefix-caching", "--async-scheduling", "--enforce-eager",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
     ])
     config = cli.engine_config_from_args(args)
     assert (config.max_num_seqs, config.num_gpu_blocks, config.kv_cache_memory) == (3, 300, 64 << 20)
-    assert not config.enable_prefix_caching and config.async_scheduling
+    assert not config.enable_prefix_caching and config.async_scheduling and config.enforce_eager
     assert config.speculative_config.method == "ngram" and config.num_speculative_tokens == 2
     assert config.max_num_batched_tokens == 2048  # untouched flags keep EngineConfig's defaults
 

@@ -72,3 +72,32 @@ def test_gpu_speculative_matches_cpu_reference(tmp_path, kernel_calls, spec):
     gpu = _generate(path, device="cuda", speculative_config=spec)
     assert kernel_calls["kda_decode"] > 0 and kernel_calls["mla_decode"] > 0
     assert gpu == cpu
+
+
+@pytest.fixture
+def graph_replays(monkeypatch):
+    """Counts pure-decode steps run by replaying a captured CUDA graph, per padded size."""
+    from atom.worker.cuda_graph import DecodeGraphs
+
+    sizes: list[int] = []
+    inner = DecodeGraphs.replay
+
+    def counting(self, input_ids, rows):
+        sizes.append(next(s for s in self.sizes if s >= len(rows)))
+        return inner(self, input_ids, rows)
+
+    monkeypatch.setattr(DecodeGraphs, "replay", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("variant", ["kda_mla", "mla_first_qlora"])
+def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, variant):
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), variant, tokenizer=False)
+    cpu = _generate(path)
+    eager = _generate(path, device="cuda", enforce_eager=True)
+    assert not graph_replays
+    # 6 prompts over 4 sequences: decode batches of 4, 3 (padded to 4), 2 and 1; a budget of
+    # 16 tokens also mixes prefill chunks into some steps (those run eagerly)
+    graphs = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16)
+    assert graph_replays and max(graph_replays) == 4
+    assert graphs == eager == cpu

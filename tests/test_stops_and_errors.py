@@ -101,3 +101,25 @@ def test_kv_cache_too_small_is_refused(llama_ckpt):
 
     with pytest.raises(ValueError, match="--kv-cache-memory"):
         LLM(llama_ckpt, kv_cache_memory=4096, max_model_len=256)
+
+
+def test_engine_seed_makes_unseeded_sampling_repeatable(llama_ckpt, make_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = [make_llm(llama_ckpt, seed=7).generate(PROMPT, params)[0].outputs[0].token_ids for _ in range(2)]
+    other = make_llm(llama_ckpt, seed=8).generate(PROMPT, params)[0].outputs[0].token_ids
+    assert runs[0] == runs[1]
+    assert other != runs[0]
+
+
+def test_llm_refuses_pd_config(llama_ckpt):
+    from atom import LLM
+
+    with pytest.raises(ValueError, match="AsyncEngine"):
+        LLM(llama_ckpt, kv_transfer_config={"kv_connector": "mooncake", "kv_role": "kv_producer"})
+
+
+def test_cache_larger_than_memory_is_refused(llama_ckpt):
+    from atom import LLM
+
+    with pytest.raises(ValueError, match="free on cpu"):
+        LLM(llama_ckpt, kv_cache_memory=1 << 50)  # a petabyte

@@ -97,41 +97,53 @@ class KimiDeltaAttention(nn.Module):
         # Fresh sequences start from zeros: select (not multiply) so stale NaNs cannot leak.
         continuing = md.has_initial_state
         fused = kernels_apply(x)
-        out = x.new_empty(x.shape[0], self.num_heads, self.head_dim)
         apart = md.per_token_state_seqs
-        layouts = split_decode_prefill(md.query_start_loc, x.device, apart)
-        for layout in layouts:
-            per_token = bool(apart) and layout.seqs == apart
-            whole = layout.num_seqs == md.num_seqs  # the group is the whole step, in order
-            if fused and _kernel_group(md, layout, per_token):
-                rows = self._recur_kernels(mixed, g, beta, layout, whole, per_token)
-            else:
-                rows = self._recur(mixed, g, beta, continuing, layout, per_token).to(x.dtype)
-            if whole:
-                out = rows
-            else:
-                out[layout.token_ids] = rows
+        if fused and md.is_pure_decode and not apart:
+            # the whole step is one decode group: no split, no index tensors (CUDA-graph capturable)
+            out = self._recur_kernels(mixed, g, beta, (md.num_seqs, 1), None, per_token=False)
+        else:
+            out = self._recur_groups(mixed, g, beta, continuing, fused)
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
         if fused:
             return self.o_proj(gated_rmsnorm(out, gate, self.o_norm.weight, self.o_norm.eps).flatten(1))
         return self.o_proj(self.o_norm(out, gate).flatten(1))
 
-    def _recur_kernels(self, mixed, g, beta, layout: PaddedLayout, whole: bool, per_token: bool) -> torch.Tensor:
+    def _recur_groups(self, mixed, g, beta, continuing, fused: bool) -> torch.Tensor:
+        """The step split into decode, prefill and verification groups; [T, H, V] in the model dtype."""
+        md = get_forward_context().attn_metadata
+        out = mixed.new_empty(mixed.shape[0], self.num_heads, self.head_dim)
+        apart = md.per_token_state_seqs
+        for layout in split_decode_prefill(md.query_start_loc, mixed.device, apart):
+            per_token = bool(apart) and layout.seqs == apart
+            whole = layout.num_seqs == md.num_seqs  # the group is the whole step, in order
+            if fused and _kernel_group(md, layout, per_token):
+                shape = (layout.num_seqs, layout.max_len)
+                rows = self._recur_kernels(mixed, g, beta, shape, None if whole else layout, per_token)
+            else:
+                rows = self._recur(mixed, g, beta, continuing, layout, per_token).to(mixed.dtype)
+            if whole:
+                out = rows
+            else:
+                out[layout.token_ids] = rows
+        return out
+
+    def _recur_kernels(self, mixed, g, beta, shape: tuple[int, int], layout: PaddedLayout | None,
+                       per_token: bool) -> torch.Tensor:
         """``_recur`` for B sequences of T tokens each (decode: T = 1) through the CUDA kernels.
 
         The kernels read ``state_slots``, write ``state_out_slots`` (or, with
         ``per_token``, the state after token t to ``state_out_slots + t``) in place
         on the pools, and start fresh sequences from zeros. Returns [B*T, H, V]
-        in the model dtype. ``whole``: the group is the step's whole batch, in order.
+        in the model dtype. ``shape`` is (B, T); ``layout`` None: the group is the
+        step's whole batch, in order.
         """
         ctx = get_forward_context()
         conv_pool, state_pool = ctx.caches[self.layer_idx]
         md = ctx.attn_metadata
-        tokens = (lambda t: t) if whole else (lambda t: t[layout.token_ids])  # noqa: E731
-        seqs = (lambda t: t) if whole else (lambda t: t[layout.seq_ids])  # noqa: E731
+        tokens = (lambda t: t) if layout is None else (lambda t: t[layout.token_ids])  # noqa: E731
+        seqs = (lambda t: t) if layout is None else (lambda t: t[layout.seq_ids])  # noqa: E731
         slots, out_slots, keep = seqs(md.state_slots), seqs(md.state_out_slots), seqs(md.has_initial_state)
         heads, dim = self.num_heads, self.head_dim
-        shape = (layout.num_seqs, layout.max_len)  # [B, T]
         conv = conv1d_update(tokens(mixed).view(*shape, -1), conv_pool, self._conv_weight(), slots,
                              out_slots=out_slots, per_token=per_token, has_initial_state=keep)  # fmt: skip
         q, k, v = (t.unflatten(-1, (heads, dim)) for t in conv.split(heads * dim, dim=-1))

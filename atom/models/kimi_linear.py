@@ -244,6 +244,9 @@ class KimiLinearForCausalLM(nn.Module):
     nothing, whatever ``tie_word_embeddings`` says.
     """
 
+    # with the atom._C kernels its pure-decode forward has no host sync (atom.worker.cuda_graph)
+    supports_cuda_graphs = True
+
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
         self.args = KimiLinearArgs.from_hf(hf_config)

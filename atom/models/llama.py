@@ -97,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM; see the module docstring for the batch layout."""
 
     qk_norm = False
+    # paged_attention (torch reference) loops over the step's host seq_lens: not capturable
+    supports_cuda_graphs = False
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype):
         super().__init__()

@@ -8,6 +8,7 @@ fails, naming the flag to change, if one max-length request cannot fit.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from atom.config import EngineConfig
@@ -75,3 +76,27 @@ def _check_fits(config: EngineConfig, layout: CacheLayout, paged: bool, recurren
             f"no room for one recurrent-state slot group ({layout.bytes_per_state_group} bytes); "
             "raise --kv-cache-memory"
         )
+
+
+def available_memory(device) -> int | None:
+    """Bytes free on the device (GPU) or in the machine (CPU), or None if unknown."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_room(layout: CacheLayout, device) -> None:
+    """With the model loaded, the cache pools must still fit in what is free."""
+    free = available_memory(device)
+    if free is not None and layout.total_bytes > free:
+        raise ValueError(
+            f"the KV cache and state slots need {layout.total_bytes / 2**20:.0f} MiB but only "
+            f"{free / 2**20:.0f} MiB is free on {device} after loading the model; lower --kv-cache-memory, "
+            "--max-num-seqs or --max-model-len"
+        )
+

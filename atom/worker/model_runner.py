@@ -17,7 +17,8 @@ from atom.forward_context import ForwardContext, build_attention_metadata, set_f
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
-from atom.worker.cache_memory import CacheLayout, plan_cache
+from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
+from atom.worker.cuda_graph import capture_decode_graphs
 from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
@@ -35,13 +36,18 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        # Unseeded requests draw from the global generator: seed it, so a run is repeatable.
+        torch.manual_seed(config.seed)
         self.model = model if model is not None else load_model(config)
         self.cache_specs = self.model.cache_specs()
         self.layout: CacheLayout = plan_cache(config, self.cache_specs)
+        check_room(self.layout, self.device)
         self.caches = self._allocate_caches()
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = make_drafter(config, self.model)
+        # captured pure-decode forwards (CUDA only; None: every step runs eagerly)
+        self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -81,6 +87,19 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput()
         rows = sched.scheduled
+        hidden, starts = self._forward(rows)
+        out = RunnerOutput()
+        self._prompt_logprobs(rows, starts, hidden, out)
+        self._sample(rows, starts, hidden, out)
+        self._verify(rows, starts, hidden, out)
+        if self.drafter is not None and out.sampled:
+            self._propose(rows, starts, hidden, out)
+        return out
+
+    def _forward(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states [T, D] of the step's flat batch, and its query_start_loc."""
+        if self.decode_graphs is not None and self.decode_graphs.covers(rows):
+            return self.decode_graphs.replay(self._token_ids(rows), rows), list(range(len(rows) + 1))
         input_ids, positions = self._flat_inputs(rows)
         meta = build_attention_metadata(
             query_lens=[len(s.token_ids) for s in rows],
@@ -93,25 +112,21 @@ class ModelRunner:
             per_token_state_seqs=tuple(i for i, s in enumerate(rows) if s.draft_token_ids),
         )
         with set_forward_context(ForwardContext(meta, self.caches)):
-            hidden = self.model(input_ids, positions)
-        out = RunnerOutput()
-        self._prompt_logprobs(rows, meta.query_start_loc, hidden, input_ids, out)
-        self._sample(rows, meta.query_start_loc, hidden, out)
-        self._verify(rows, meta.query_start_loc, hidden, out)
-        if self.drafter is not None and out.sampled:
-            self._propose(rows, meta.query_start_loc, hidden, out)
-        return out
+            return self.model(input_ids, positions), meta.query_start_loc
 
-    def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_ids(self, rows: list[ScheduledRequest]) -> list[int]:
         ids: list[int] = []
-        pos: list[int] = []
         for s in rows:
             if PLACEHOLDER in s.token_ids:  # sampled by the previous step, which has finished by now
                 last = self.requests[s.request_id].output_token_ids[-1]
                 ids.extend(last if t == PLACEHOLDER else t for t in s.token_ids)
             else:
                 ids.extend(s.token_ids)
-            pos.extend(range(s.context_len, s.context_len + len(s.token_ids)))
+        return ids
+
+    def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self._token_ids(rows)
+        pos = [p for s in rows for p in range(s.context_len, s.context_len + len(s.token_ids))]
         return (
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(pos, dtype=torch.long, device=self.device),
@@ -174,7 +189,7 @@ class ModelRunner:
         with torch.inference_mode():
             out.draft_token_ids = self.drafter.propose(ctx)
 
-    def _prompt_logprobs(self, rows, starts, hidden, input_ids, out: RunnerOutput) -> None:
+    def _prompt_logprobs(self, rows, starts, hidden, out: RunnerOutput) -> None:
         """Logprob of prompt token p+1 from the logits at p, for the prompt positions in this chunk."""
         for i, s in enumerate(rows):
             if not s.prompt_logprobs:

@@ -1,0 +1,172 @@
+"""CUDA graphs of pure-decode steps: captured once per padded batch size, replayed per step.
+
+A decode step launches ~800 small kernels; at small batches the host's launch
+time, not the GPU, sets the pace. So at start-up (caches allocated) the
+runner captures the model's forward for batch sizes 1, 2, 4, ... up to the
+first >= max_num_seqs (at most 128, the MoE's dense-path bound), and a step
+whose rows are all pure decode (one token, no drafts, no prompt logprobs)
+replays the smallest graph that fits, its batch padded up. Sampling, the
+lm_head and drafting stay outside the graph. ``--enforce-eager`` turns it off;
+the CPU always runs eagerly.
+
+The captured forward reads only static device buffers, which each step
+overwrites before replay (S = the largest captured size)::
+
+    rows    [7, S] int64   input_ids | positions | slot_mapping | state_slots
+                           | state_out_slots | has_initial_state (0/1) | seq_lens
+    tables  [S, max_blocks] int64   block tables (only each row's first blocks are read)
+
+A graph of size s reads columns [:s]. Padding rows (columns n..s-1) write
+nowhere and read no state: slot_mapping -1 (``write_latent_cache`` skips it),
+state slot -1 (the KDA kernels output zeros and touch no slot), seq_len 0
+(``mla_decode`` attends to nothing). Every op is row-wise, so their outputs,
+dropped afterwards, cannot reach the real rows.
+
+What makes the forward capturable (and must stay so): with the ``atom._C``
+kernels the layers' pure-decode path has no host sync, makes no tensor from
+host data and branches only on shapes and host metadata fixed per size: KDA
+takes the whole step as one decode group, MLA runs ``mla_decode`` with
+``max_seq_len`` = max_model_len (it only sizes the split of long sequences;
+the kernel reads each row's length from ``seq_lens``), MoE its dense path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from atom.config import EngineConfig
+from atom.engine.scheduler_output import ScheduledRequest
+from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from atom.layers.moe import DENSE_MAX_TOKENS
+from atom.ops._C_loader import use_kernels
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# rows of the static int64 buffer
+INPUT_IDS, POSITIONS, SLOT_MAPPING, STATE_SLOTS, STATE_OUT_SLOTS, HAS_INITIAL_STATE, SEQ_LENS = range(7)
+_PADDING = (0, 0, -1, -1, -1, 0, 0)  # what each row holds in a padding column
+
+
+def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first size >= max_num_seqs, none above DENSE_MAX_TOKENS."""
+    sizes = []
+    for size in CAPTURE_SIZES:
+        if size > DENSE_MAX_TOKENS:
+            break
+        sizes.append(size)
+        if size >= max_num_seqs:
+            break
+    return tuple(sizes)
+
+
+class DecodeGraphs:
+    """The captured decode forwards, their static input buffers, and replay."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, caches: dict, device: torch.device) -> None:
+        self.model, self.caches, self.device = model, caches, device
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.sizes = capture_sizes(config.max_num_seqs)
+        largest = self.sizes[-1]
+        # a request's block table never outgrows max_model_len (+ lookahead slots); wider steps run eagerly
+        self.max_blocks = -(-(config.max_model_len + config.num_speculative_tokens + 1) // config.block_size) + 1
+        self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, largest)
+        self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per size, largest first, sharing one memory pool; every column padding."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: lazy initialisation (cuBLAS, kernel attributes) happens outside capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self._forward(size)
+            self.graphs[size] = (graph, hidden)
+        torch.cuda.synchronize(self.device)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        cols = self.rows[:, :size]
+        # Host values describe the captured shape; max_model_len bounds every seq_len, which is
+        # all mla_decode needs from the host (to size its splits).
+        meta = AttentionMetadata(
+            query_start_loc=list(range(size + 1)),
+            context_lens=[self.max_model_len - 1] * size,
+            seq_lens=[self.max_model_len] * size,
+            block_tables=self.tables[:size],
+            slot_mapping=cols[SLOT_MAPPING],
+            state_slots=cols[STATE_SLOTS],
+            block_size=self.block_size,
+            state_out_slots=cols[STATE_OUT_SLOTS],
+        )
+        # Device values derived inside the graph from the static rows (the properties would
+        # otherwise upload the host lists above, which hold bounds, not this step's values).
+        meta.has_initial_state = cols[HAS_INITIAL_STATE] != 0
+        meta.token_seq_lens = cols[SEQ_LENS].to(torch.int32)
+        meta.token_seq_ids = torch.arange(size, device=self.device)
+        with set_forward_context(ForwardContext(meta, self.caches)):
+            return self.model(cols[INPUT_IDS], cols[POSITIONS])
+
+    def covers(self, rows: list[ScheduledRequest]) -> bool:
+        """A step the graphs can run: pure decode, no drafts or prompt logprobs, small enough."""
+        return (
+            len(rows) <= self.sizes[-1]
+            and all(len(s.token_ids) == 1 and not s.draft_token_ids and not s.prompt_logprobs for s in rows)
+            and max(len(s.block_ids) for s in rows) <= self.max_blocks
+        )
+
+    def replay(self, input_ids: list[int], rows: list[ScheduledRequest]) -> torch.Tensor:
+        """Hidden states [n, D] of the step's n rows (a view into the graph's output buffer,
+        valid until the next replay)."""
+        n = len(rows)
+        size = next(s for s in self.sizes if s >= n)
+        pad = size - n
+        host = [
+            input_ids + [0] * pad,
+            [s.context_len for s in rows] + [0] * pad,
+            [_slot(s, self.block_size) for s in rows] + [-1] * pad,
+            [s.state_slot for s in rows] + [-1] * pad,
+            [s.state_out_slot for s in rows] + [-1] * pad,
+            [int(s.context_len > 0) for s in rows] + [0] * pad,
+            [s.context_len + 1 for s in rows] + [0] * pad,
+        ]
+        self.rows[:, :size].copy_(torch.tensor(host, dtype=torch.long))
+        width = max(len(s.block_ids) for s in rows)
+        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in rows]
+        self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.long))
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]
+
+
+def _slot(s: ScheduledRequest, block_size: int) -> int:
+    pos = s.context_len
+    return s.block_ids[pos // block_size] * block_size + pos % block_size
+
+
+def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: dict) -> DecodeGraphs | None:
+    """Captured decode graphs, or None where decode runs eagerly (CPU, --enforce-eager, no kernels,
+    a model whose decode path cannot be captured, or a capture that failed: logged)."""
+    device = torch.device(config.device)
+    if device.type != "cuda" or config.enforce_eager:
+        return None
+    if not use_kernels():
+        logger.info("CUDA graphs off: the atom._C kernels are not in use, and the torch reference "
+                    "layers sync with the host")
+        return None
+    if not model.supports_cuda_graphs:
+        logger.info("CUDA graphs off: %s's decode path is not capturable", type(model).__name__)
+        return None
+    graphs = DecodeGraphs(config, model, caches, device)
+    try:
+        graphs.capture()
+    except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager decode
+        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)
+        return None
+    logger.info("captured CUDA graphs of decode steps for batch sizes %s", ", ".join(map(str, graphs.sizes)))
+    return graphs
