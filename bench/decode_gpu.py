@@ -17,6 +17,7 @@ the copy bandwidth measured here; its fraction is measured / roofline tok/s.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -137,6 +138,8 @@ def main() -> None:
     p.add_argument("--skip-atom", action="store_true")
     p.add_argument("--eager-too", action="store_true", help="also run ATOM with enforce_eager (no CUDA graphs)")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("atom.worker.cuda_graph").setLevel(logging.INFO)  # says whether graphs were captured
 
     ceiling = copy_gbps()
     model = make_model(args.ckpt)

@@ -99,3 +99,15 @@ def test_overlap_with_preemption_and_stops(ckpt, make_llm):
     got = llm.generate(_inputs(), params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert _tokens(got) == want
+
+
+def test_bfloat16_engine_runs_and_follows_auto_dtype(ckpt, make_llm):
+    import torch
+
+    llm = make_llm(ckpt, dtype="bfloat16")
+    assert llm.engine.runner.model.lm_head.weight.dtype == torch.bfloat16
+    outs = llm.generate(_inputs(), GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    # dtype="auto" follows config.json (the test checkpoints were saved in float32)
+    auto = make_llm(ckpt, dtype="auto")
+    assert auto.config.torch_dtype == torch.float32

@@ -29,7 +29,9 @@ CONFIGS = {  # name -> (checkpoint fixture, speculative config or None)
     "kimi-ngram": ("kimi_ckpt", SPEC),
     "llama": ("llama_ckpt", None),
     "llama-ngram": ("llama_ckpt", SPEC),
+    "kimi-overlap": ("kimi_ckpt", None),  # producer and consumer with deferred output (async scheduling)
 }
+OVERLAP = {"kimi-overlap"}
 # 37 tokens (a partial last block), 48 (whole blocks), and a repetitive one n-gram drafting latches onto.
 PROMPTS = [list(range(40, 77)), [(7 * i) % 300 + 3 for i in range(48)], [11, 12, 13, 14, 15, 16] * 7]
 MAX_TOKENS = 12
@@ -52,6 +54,8 @@ def clusters(request, tmp_path_factory):
                       "--served-model-name", "m", "--max-num-batched-tokens", str(CHUNK)]
             if spec:
                 common += ["--speculative-config", spec]
+            if name in OVERLAP:
+                common += ["--async-scheduling"]
             producer = ServeProcess(common + ["--kv-transfer-config", kv_config("kv_producer")],
                                     str(logs / f"{name}-producer.log"))
             consumer = ServeProcess(common + ["--kv-transfer-config", kv_config("kv_consumer")],

@@ -122,6 +122,7 @@ class EngineCore:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
+        self.start_connector_work()  # e.g. a cancelled load
         self.detokenizer.flush(request)
         return self._make_output(request)
 
@@ -133,6 +134,7 @@ class EngineCore:
         if self.connector_worker is None:
             return []
         changed = self.scheduler.apply_connector_output(self.connector_worker.take_output())
+        self.start_connector_work()
         return self._outputs_for(changed)
 
     def start_connector_work(self) -> None:
@@ -147,7 +149,11 @@ class EngineCore:
         return self.runner.execute_model(sched)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        return self._outputs_for(self.scheduler.update(sched, result))
+        changed = self.scheduler.update(sched, result)
+        # Hand new producer holds to the worker half before anyone can see their params:
+        # a consumer may pull as soon as the output reaches the client.
+        self.start_connector_work()
+        return self._outputs_for(changed)
 
     def _outputs_for(self, changed: list[Request]) -> list[RequestOutput]:
         outputs = []

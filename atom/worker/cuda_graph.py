@@ -139,9 +139,13 @@ class DecodeGraphs:
         width = max(len(s.block_ids) for s in rows)
         tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in rows]
         self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.long))
+        return self._launch(size)[:n]
+
+    def _launch(self, size: int) -> torch.Tensor:
+        """Replays the graph of this size over the static buffers; its output buffer [size, D]."""
         graph, hidden = self.graphs[size]
         graph.replay()
-        return hidden[:n]
+        return hidden
 
 
 def _slot(s: ScheduledRequest, block_size: int) -> int:
