@@ -24,7 +24,6 @@ group runs the reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom.forward_context import get_forward_context
