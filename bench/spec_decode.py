@@ -1,7 +1,8 @@
 """Speculative decoding and overlap, side by side on the same prompts in one run.
 
 For each checkpoint: output tokens/s of plain decoding, of speculation (n-gram
-on a Llama checkpoint with repetitive prompts; MTP and n-gram on a Kimi-Linear
+on a Llama checkpoint, on a mix of repetitive and plain prompts and on the
+repetitive ones alone; MTP and n-gram on a Kimi-Linear
 checkpoint with MTP layers), and mean acceptance length (tokens emitted per
 verification step); then plain decoding with overlap (async scheduling) off vs
 on. Every configuration's greedy tokens are checked against plain decoding.
@@ -81,6 +82,11 @@ def main() -> None:
             ("plain", {}),
             ("ngram k=3", {"speculative_config": ngram}),
             ("ngram k=3 + overlap", {"speculative_config": ngram, "async_scheduling": True}),
+        ])
+        repetitive = reqs[::2]  # the half n-gram drafting latches onto: no slow row holds the batch back
+        table("Llama, repetitive prompts only, n-gram drafts", llama, repetitive, params, [
+            ("plain", {}),
+            ("ngram k=3", {"speculative_config": ngram}),
         ])
         table("Kimi-Linear (KDA+MLA+MoE) with random MTP weights", kimi, reqs, params, [
             ("plain", {}),

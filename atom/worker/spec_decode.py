@@ -45,13 +45,14 @@ def verify(
     logits: Tensor, batch: SamplingBatch, drafts: list[int], greedy: bool, generator: torch.Generator | None
 ) -> list[int]:
     """Tokens emitted for one request: accepted drafts plus one target token."""
-    processed, probs = target_probs(logits, batch)
-    if greedy:
+    if greedy:  # only the penalised argmax matters, as in plain greedy sampling
+        processed = apply_penalties(logits, batch) if batch.any_penalties else logits
         target = processed.argmax(dim=-1).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == target[accepted]:
             accepted += 1
         return drafts[:accepted] + [target[accepted]]
+    _, probs = target_probs(logits, batch)
     uniforms = torch.rand(len(drafts), generator=generator, device=probs.device).tolist()
     for j, d in enumerate(drafts):
         if uniforms[j] < probs[j, d].item():
