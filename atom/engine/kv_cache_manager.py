@@ -139,6 +139,8 @@ class KVCacheManager:
         """Make the request's blocks cover its computed + new tokens; the new block ids, or None."""
         need_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = -(-need_tokens // self.block_size) - len(request.block_ids) - len(cached_blocks)
+        if need <= 0 and not cached_blocks:
+            return []  # the common decode step: the last block still has room
         free_after_hits = self.blocks.num_free - sum(1 for b in cached_blocks if self.blocks.ref_counts[b] == 0)
         if need > free_after_hits:
             return None
@@ -159,12 +161,12 @@ class KVCacheManager:
             self.blocks.register(request.block_ids[i], request.block_hashes[i])
 
     def _update_hashes(self, request: Request) -> None:
-        tokens = request.all_token_ids
         bs = self.block_size
         hashes = request.block_hashes
-        while (len(hashes) + 1) * bs <= len(tokens):
+        while (len(hashes) + 1) * bs <= request.num_tokens:  # a new full block of known tokens
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
+            block = tuple(request.token_ids_between(i * bs, (i + 1) * bs))
+            hashes.append(hash_block(hashes[-1] if hashes else None, block))
 
     # -- state slots -----------------------------------------------------------
     def allocate_state(self, request: Request) -> bool:
