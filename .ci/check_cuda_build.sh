@@ -2,6 +2,7 @@
 # Compiles every csrc/ source to an object file (no link, no torch, no GPU),
 # so machines without a GPU still catch kernel and binding build breaks.
 # Skips (exit 0) where nvcc is absent; fails on any compile error or warning.
+# Where hipcc exists, every kernel source is also compiled for AMD CDNA GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,6 +23,16 @@ for src in csrc/*.cu; do
     "$src" -o "$out/$(basename "$src").o"
   echo "check_cuda_build: compiled $src (nvcc, sm_90)"
 done
+# The same sources through hipcc, where one is installed (Debian's `hipcc`):
+# CDNA targets its clang knows (gfx942/gfx950 need ROCm >= 6's compiler).
+hipcc=$(command -v hipcc || true)
+if [[ -n "$hipcc" ]]; then
+  for src in csrc/*.cu; do
+    HIP_PLATFORM=amd "$hipcc" -c -x hip --offload-arch=gfx90a --offload-arch=gfx940 -std=c++17 -O2 -Icsrc \
+      -fPIC -Wall -Werror "$src" -o "$out/$(basename "$src").hip.o"
+    echo "check_cuda_build: compiled $src (hipcc, gfx90a + gfx940)"
+  done
+fi
 # bindings.cpp is host-only C++: it needs pybind11's and Python's headers.
 g++ -c -std=c++17 -O2 -fPIC -Wall -Werror -Icsrc $("$python" -m pybind11 --includes) \
   csrc/bindings.cpp -o "$out/bindings.o"

@@ -11,10 +11,21 @@
 #include "portability.h"
 
 #if defined(__HIPCC__) || defined(USE_ROCM)
-#include <hip/hip_bf16.h>
 #include <hip/hip_fp16.h>
+#if __has_include(<hip/hip_bf16.h>)  // ROCm >= 5.7
+#include <hip/hip_bf16.h>
 namespace atom {
 using bf16_t = __hip_bfloat16;
+}  // namespace atom
+#else  // older ROCm: the struct type, with the CUDA-named conversions added
+#include <hip/hip_bfloat16.h>
+namespace atom {
+using bf16_t = hip_bfloat16;
+}  // namespace atom
+__device__ __forceinline__ float __bfloat162float(hip_bfloat16 x) { return static_cast<float>(x); }
+__device__ __forceinline__ hip_bfloat16 __float2bfloat16(float x) { return hip_bfloat16(x); }
+#endif
+namespace atom {
 using fp16_t = __half;
 }  // namespace atom
 #else
