@@ -292,9 +292,6 @@ class Scheduler:
             self._append_tokens(request, tokens, result.logprobs.get(s.request_id))
             if request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = result.draft_token_ids.get(s.request_id, [])
-        for request in self.waiting:
-            if request.status == RequestStatus.PREEMPTED:
-                request.status = RequestStatus.WAITING
         return changed
 
     def _account_verification(self, request: Request, s: ScheduledRequest, accepted: int) -> None:

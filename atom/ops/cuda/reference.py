@@ -25,10 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim, as atom.ops.kda.l2norm."""
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+from atom.ops.kda import kda_recurrent_states, l2norm
 
 
 def _slot_rows(
@@ -77,17 +74,13 @@ def kda_decode_ref(
     state = _initial(state_pool, ids, rows, has_initial_state)  # [R, H, K, V]
     qn = l2norm(q[rows].float(), eps) * scale
     kn = l2norm(k[rows].float(), eps)
-    vf, gf, bf = v[rows].float(), g[rows].float(), beta[rows].float()
-    for t in range(tokens):
-        state = state * gf[:, t].exp().unsqueeze(-1)
-        predicted = torch.einsum("bhkv,bhk->bhv", state, kn[:, t])
-        update = (vf[:, t] - predicted) * bf[:, t].unsqueeze(-1)
-        state = state + kn[:, t].unsqueeze(-1) * update.unsqueeze(-2)
-        out[rows, t] = torch.einsum("bhkv,bhk->bhv", state, qn[:, t]).to(v.dtype)
-        if per_token:
-            state_pool[outs[rows] + t] = state.to(state_pool.dtype)
-    if not per_token:
-        state_pool[outs[rows]] = state.to(state_pool.dtype)
+    o, states = kda_recurrent_states(qn, kn, v[rows].float(), g[rows].float(), beta[rows].float(), state)
+    out[rows] = o.to(v.dtype)
+    if per_token:
+        for t in range(tokens):
+            state_pool[outs[rows] + t] = states[:, t].to(state_pool.dtype)
+    else:
+        state_pool[outs[rows]] = states[:, -1].to(state_pool.dtype)
     return out
 
 
