@@ -75,3 +75,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

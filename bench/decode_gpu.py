@@ -3,6 +3,7 @@
     python bench/decode_gpu.py                       # batch 1, 16, 64; 64 prompt + 64 new tokens
     python bench/decode_gpu.py --batches 1,16 --output-len 32 --skip-hf
     python bench/decode_gpu.py --eager-too           # also ATOM with --enforce-eager (no CUDA graphs)
+    python bench/decode_gpu.py --async-too           # also ATOM with async scheduling (overlap)
 
 The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
@@ -93,14 +94,15 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False) -> float:
+def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False,
+                    async_scheduling: bool = False) -> float:
     from atom import LLM, SamplingParams
 
     batch = len(prompts)
     max_len = len(prompts[0]) + new_tokens + 8
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=max_len,
               max_num_batched_tokens=max(2048, batch * len(prompts[0])), enable_prefix_caching=False,
-              enforce_eager=enforce_eager)  # fmt: skip
+              enforce_eager=enforce_eager, async_scheduling=async_scheduling)  # fmt: skip
 
     def run(n):
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
@@ -137,6 +139,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-atom", action="store_true")
     p.add_argument("--eager-too", action="store_true", help="also run ATOM with enforce_eager (no CUDA graphs)")
+    p.add_argument("--async-too", action="store_true", help="also run ATOM with async scheduling")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("atom.worker.cuda_graph").setLevel(logging.INFO)  # says whether graphs were captured
@@ -146,9 +149,15 @@ def main() -> None:
     n_params = sum(x.numel() for x in model.parameters())
     from atom.ops._C_loader import use_kernels
 
+    import importlib.util
+
+    import transformers
+
+    fla = importlib.util.find_spec("fla") is not None
     print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, "
           f"model {n_params / 1e9:.2f}B params, atom._C kernels {'on' if use_kernels() else 'off'}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, transformers {transformers.__version__} "
+          f"({'with' if fla else 'without'} fla's kernels)")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -156,25 +165,31 @@ def main() -> None:
         hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
         atom = _try_atom(args, prompts, batch, enforce_eager=False) if not args.skip_atom else None
         eager = _try_atom(args, prompts, batch, enforce_eager=True) if args.eager_too else None
+        overlap = _try_atom(args, prompts, batch, async_scheduling=True) if args.async_too else None
         context = args.input_len + args.output_len // 2
         roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
-        rows.append((batch, atom, eager, hf, roof))
-        print(f"batch {batch}: atom {atom}, atom eager {eager}, hf {hf}, roofline {roof:.0f} tok/s", flush=True)
+        rows.append((batch, atom, eager, overlap, hf, roof))
+        print(f"batch {batch}: atom {atom}, atom eager {eager}, atom async {overlap}, hf {hf}, "
+              f"roofline {roof:.0f} tok/s", flush=True)
 
-    print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} "
-          f"{'atom/roof':>9}")
-    for batch, atom, eager, hf, roof in rows:
+    print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'async tok/s':>11} {'hf tok/s':>9} {'ratio':>6} "
+          f"{'roofline':>9} {'atom/roof':>9} {'async/roof':>10}")
+    for batch, atom, eager, overlap, hf, roof in rows:
         fmt = lambda x, w: f"{x:{w}.0f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = f"{atom / hf:6.2f}" if atom and hf else f"{'-':>6}"
         frac = f"{atom / roof:9.1%}" if atom else f"{'-':>9}"
-        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} {frac}")
+        frac_async = f"{overlap / roof:10.1%}" if overlap else f"{'-':>10}"
+        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(overlap, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} "
+              f"{frac} {frac_async}")
 
 
-def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool) -> float | None:
+def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = False,
+              async_scheduling: bool = False) -> float | None:
     try:
-        return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager)
+        return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling)
     except Exception as e:  # report and keep the other numbers
-        print(f"atom (enforce_eager={enforce_eager}) failed at batch {batch}: {type(e).__name__}: {e}")
+        print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}) failed at batch {batch}: "
+              f"{type(e).__name__}: {e}")
         return None
 
 

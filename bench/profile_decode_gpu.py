@@ -1,13 +1,17 @@
-"""Where a decode step's time goes on the GPU: torch profiler over prefill + 16 decode steps.
+"""Where a decode step's time goes on the GPU, per batch size.
 
-    python bench/profile_decode_gpu.py /tmp/atom_kimi_1p3b     # the checkpoint bench/decode_gpu.py writes
+    python bench/profile_decode_gpu.py --ckpt /tmp/atom_kimi_1p3b     # the checkpoint bench/decode_gpu.py writes
 
-Prints, for batch 1 and 64, the wall time, the GPU's busy share, the number
-of kernel launches, and the top ops by GPU and by host time.
+For each batch: the engine's decode step time (as bench/decode_gpu.py
+measures it, with and without async scheduling), the GPU time of one
+replayed decode graph (the forward alone), the lm_head + argmax + copy to
+the host, and what is left (the host: scheduling, inputs, outputs). Then the
+top kernels inside one replayed graph by GPU time.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -18,35 +22,93 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(path: str) -> None:
-    from atom import LLM, SamplingParams
+def _ms_per_call(fn, n: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
 
-    for batch in (1, 64):
-        prompts = torch.randint(3, 32000, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
-        llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=160,
+
+def _step_ms(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    from atom import SamplingParams
+
+    def run(n: int) -> None:
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    run(2)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    run(1)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    run(1 + new_tokens)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t - t1) / new_tokens * 1e3
+
+
+def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
+    from atom import LLM
+
+    prompts = torch.randint(3, 32000, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
+    kwargs = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=64 + new_tokens + 8,
                   max_num_batched_tokens=max(2048, batch * 64), enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(path, **kwargs)
+    step = _step_ms(llm, prompts, new_tokens)
+    runner = llm.engine.runner
+    graphs = runner.decode_graphs
+    size = next(s for s in graphs.sizes if s >= batch)
+    replay = _ms_per_call(lambda: graphs._launch(size))
+    hidden = graphs._launch(size)[:batch]
+    with torch.inference_mode():
+        sample = _ms_per_call(lambda: runner.model.compute_logits(hidden).argmax(dim=-1).tolist())
+    del llm
+    torch.cuda.empty_cache()
+    overlapped = _step_ms(LLM(path, async_scheduling=True, **kwargs), prompts, new_tokens)
+    host = step - replay - sample
+    print(f"== batch {batch} (graph size {size}): step {step:.3f} ms ({batch / step * 1e3:.0f} tok/s), "
+          f"async scheduling {overlapped:.3f} ms ({batch / overlapped * 1e3:.0f} tok/s); "
+          f"graph replay {replay:.3f} ms, lm_head+argmax+tolist {sample:.3f} ms, rest (host) {host:.3f} ms",
+          flush=True)  # fmt: skip
 
-        def run(n: int, llm=llm) -> None:
-            params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-        run(4)  # warm-up
+    llm = LLM(path, **kwargs)
+    graphs = llm.engine.runner.decode_graphs
+    graphs._launch(size)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graphs._launch(size)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            run(17)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        events = prof.key_averages()
-        gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
-        launches = sum(e.count for e in events if e.device_type.name == "CUDA")
-        print(f"== batch {batch}: wall {wall * 1e3:.1f} ms for prefill + 16 decode steps, GPU busy {gpu_ms:.1f} ms "
-              f"({gpu_ms / (wall * 1e3):.0%}), kernel launches {launches}")  # fmt: skip
-        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=48))
-        print(events.table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=48))
-        del llm
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: -e.self_device_time_total)
+    print(f"   kernels in one replay: {sum(e.count for e in events) // 10}, GPU time {total / 10 / 1e3:.3f} ms")
+    for e in events[:top]:
+        print(f"   {e.self_device_time_total / 10:9.1f} us {e.self_device_time_total / total:6.1%} "
+              f"x{e.count // 10:<4d} {e.key[:90]}")  # fmt: skip
+    del llm
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--top", type=int, default=14)
+    args = p.parse_args()
+    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
+        from bench.decode_gpu import make_model
+
+        make_model(args.ckpt)
         torch.cuda.empty_cache()
+    for batch in (int(b) for b in args.batches.split(",")):
+        profile_batch(args.ckpt, batch, args.output_len, args.top)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/atom_kimi_1p3b")
+    main()

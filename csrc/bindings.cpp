@@ -125,4 +125,61 @@ PYBIND11_MODULE(_C, m) {
       py::arg("row_stride"), py::arg("block_size"), py::arg("latent"), py::arg("latent_stride"), py::arg("rope"),
       py::arg("rope_stride"), py::arg("slot_mapping"), py::arg("slot_dtype"), py::arg("num_tokens"),
       py::arg("rank"), py::arg("rope_dim"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "rms_norm",
+      [](uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t dim,
+         double eps, int dtype, uintptr_t stream) {
+        check(atom::rms_norm(x, x_stride, weight, out, out_stride, rows, dim, eps, dtype, stream));
+      },
+      "out = weight * round(rmsnorm(x))", py::arg("x"), py::arg("x_stride"), py::arg("weight"), py::arg("out"),
+      py::arg("out_stride"), py::arg("rows"), py::arg("dim"), py::arg("eps"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "silu_mul",
+      [](uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_stride, int64_t rows, int64_t width, int dtype,
+         uintptr_t stream) { check(atom::silu_mul(x, x_stride, out, out_stride, rows, width, dtype, stream)); },
+      "out = round(silu(gate)) * up over [gate | up] rows", py::arg("x"), py::arg("x_stride"), py::arg("out"),
+      py::arg("out_stride"), py::arg("rows"), py::arg("width"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "kda_gate",
+      [](uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t a_log, uintptr_t b, int64_t b_stride, uintptr_t g,
+         uintptr_t beta, int64_t tokens, int64_t heads, int64_t head_dim, int dtype, uintptr_t stream) {
+        check(atom::kda_gate(f, f_stride, dt_bias, a_log, b, b_stride, g, beta, tokens, heads, head_dim, dtype,
+                             stream));
+      },
+      "KDA log-decay g and beta from the gate projections", py::arg("f"), py::arg("f_stride"), py::arg("dt_bias"),
+      py::arg("a_log"), py::arg("b"), py::arg("b_stride"), py::arg("g"), py::arg("beta"), py::arg("tokens"),
+      py::arg("heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "moe_route",
+      [](uintptr_t logits, int64_t logits_stride, uintptr_t bias, int64_t tokens, int64_t experts, int64_t top_k,
+         bool renormalize, double scale, uintptr_t ids, uintptr_t weights, uintptr_t stream) {
+        check(atom::moe_route(logits, logits_stride, bias, tokens, experts, top_k, renormalize, scale, ids, weights,
+                              stream));
+      },
+      "sigmoid router: top-k experts on score + bias, weights", py::arg("logits"), py::arg("logits_stride"),
+      py::arg("bias"), py::arg("tokens"), py::arg("experts"), py::arg("top_k"), py::arg("renormalize"),
+      py::arg("scale"), py::arg("ids"), py::arg("weights"), py::arg("stream"));
+
+  m.def(
+      "moe_align",
+      [](uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
+         uintptr_t ends, uintptr_t stream) {
+        check(atom::moe_align(ids, pairs, experts, top_k, src_token, pos, ends, stream));
+      },
+      "(token, pick) pairs grouped by expert: rows, tokens and group ends", py::arg("ids"), py::arg("pairs"),
+      py::arg("experts"), py::arg("top_k"), py::arg("src_token"), py::arg("pos"), py::arg("ends"), py::arg("stream"));
+
+  m.def(
+      "moe_combine",
+      [](uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens, int64_t top_k,
+         int64_t dim, int dtype, uintptr_t stream) {
+        check(atom::moe_combine(y, pos, weights, addend, out, tokens, top_k, dim, dtype, stream));
+      },
+      "weighted sum of each token's expert outputs (+ addend)", py::arg("y"), py::arg("pos"), py::arg("weights"),
+      py::arg("addend"), py::arg("out"), py::arg("tokens"), py::arg("top_k"), py::arg("dim"), py::arg("dtype"),
+      py::arg("stream"));
 }

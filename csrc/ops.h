@@ -117,4 +117,49 @@ const char* write_latent_cache(uintptr_t cache, int64_t block_stride, int64_t ro
                                uintptr_t slot_mapping, int slot_dtype, int64_t num_tokens, int64_t rank,
                                int64_t rope_dim, int dtype, uintptr_t stream);
 
+// ---- fused.cu: small fused ops of the decode step (each replaces a chain of
+// torch kernels and rounds where its reference does; atom/ops/cuda/fused.py).
+//
+// rms_norm: out = weight * round(x * rsqrt(mean(x^2) + eps)); x, out [rows,
+// dim] at row strides (elements), weight [dim], all `dtype`.
+const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows,
+                     int64_t dim, double eps, int dtype, uintptr_t stream);
+
+// silu_mul: x [rows, 2 * width] = gate | up at row stride x_stride; out
+// [rows, width] = round(silu(gate)) * up at out_stride; `dtype`.
+const char* silu_mul(uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_stride, int64_t rows, int64_t width,
+                     int dtype, uintptr_t stream);
+
+// kda_gate: f [tokens, heads * head_dim] and b [tokens, heads] (`dtype`, row
+// strides), dt_bias fp32 [heads * head_dim], a_log `dtype` [heads]. Writes fp32
+// g [tokens, heads * head_dim] = -exp(a_log[h]) * softplus(f + dt_bias)
+// (softplus(x) = x above 20) and fp32 beta [tokens, heads] = round(sigmoid(b)).
+const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t a_log, uintptr_t b, int64_t b_stride,
+                     uintptr_t g, uintptr_t beta, int64_t tokens, int64_t heads, int64_t head_dim, int dtype,
+                     uintptr_t stream);
+
+// moe_route: fp32 router logits [tokens, experts] (row stride), optional fp32
+// correction bias [experts] (0 = none). Scores sigmoid(logits); the top_k
+// experts by score + bias (ties: lower id), in that order, to ids int64
+// [tokens, top_k]; their scores, renormalised to sum 1 if asked, times
+// scale, to weights fp32 [tokens, top_k]. At most 256 experts, top_k <= 32.
+const char* moe_route(uintptr_t logits, int64_t logits_stride, uintptr_t bias, int64_t tokens, int64_t experts,
+                      int64_t top_k, bool renormalize, double scale, uintptr_t ids, uintptr_t weights,
+                      uintptr_t stream);
+
+// moe_align: ids int64 [pairs] (= [tokens, top_k] flattened, each in [0,
+// experts)). Groups the pairs by expert, in pair order within an expert:
+// pos int64 [pairs] = each pair's row in the grouped order, src_token int64
+// [pairs] = the token of each grouped row, ends int32 [experts] = where each
+// expert's rows end (cumulative counts). At most 1024 experts.
+const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
+                      uintptr_t ends, uintptr_t stream);
+
+// moe_combine: out [tokens, dim] = round(sum_j weights[t, j] * y[pos[t * top_k
+// + j]]) summed in fp32 in pick order, plus addend [tokens, dim] (0 = none)
+// rounded as a separate add; y [pairs, dim], out and addend `dtype`,
+// contiguous; weights fp32 [tokens, top_k].
+const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens,
+                        int64_t top_k, int64_t dim, int dtype, uintptr_t stream);
+
 }  // namespace atom

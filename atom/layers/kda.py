@@ -28,9 +28,11 @@ from torch import nn
 
 from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import RecurrentStateSpec
+from atom.layers.linear import StackedLinears
 from atom.layers.norm import GatedRMSNorm
 from atom.ops import PaddedLayout, split_decode_prefill
 from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, kernels_apply
+from atom.ops.cuda.fused import kda_gate
 from atom.ops.kda import causal_conv1d_with_inputs, conv_states_per_token, kda, kda_recurrent_states, l2norm
 
 
@@ -65,10 +67,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = linear(dim, hidden_size)
         # [3*H*K, W] q|k|v conv weights in one tensor, made by fuse_conv_weights() after loading
         self.register_buffer("conv_weight", None, persistent=False)
+        # the projections of x as two matmuls (stacked by fuse_conv_weights())
+        self.qkv = StackedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self.gate_inputs = StackedLinears(self.f_a_proj, self.g_a_proj, self.b_proj)
 
     @torch.no_grad()
     def fuse_conv_weights(self) -> None:
-        """Stack the loaded q/k/v conv weights once; they become views into ``conv_weight``."""
+        """Stack the loaded q/k/v conv weights and the input projections once; the
+        checkpoint's parameters become views into the stacks."""
+        self.qkv.stack()
+        self.gate_inputs.stack()
         fused = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         self.conv_weight = fused
         dim = self.num_heads * self.head_dim
@@ -90,9 +98,10 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         md = get_forward_context().attn_metadata
         x = hidden_states
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3*H*K] pre-conv
-        g = self._decay(x)  # [T, H, K] fp32
-        beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
+        mixed = self.qkv(x)  # [T, 3*H*K] pre-conv
+        f_a, g_a, b = self.gate_inputs.split(x)
+        # decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) [T, H, K] and beta = sigmoid(b(x)) [T, H], fp32
+        g, beta = kda_gate(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.head_dim)
         # Fresh sequences start from zeros: select (not multiply) so stale NaNs cannot leak.
         continuing = md.has_initial_state
         fused = kernels_apply(x)
@@ -102,7 +111,7 @@ class KimiDeltaAttention(nn.Module):
             out = self._recur_kernels(mixed, g, beta, (md.num_seqs, 1), None, per_token=False)
         else:
             out = self._recur_groups(mixed, g, beta, continuing, fused)
-        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        gate = self.g_b_proj(g_a).unflatten(-1, (self.num_heads, self.head_dim))
         if fused:
             return self.o_proj(gated_rmsnorm(out, gate, self.o_norm.weight, self.o_norm.eps).flatten(1))
         return self.o_proj(self.o_norm(out, gate).flatten(1))
@@ -184,14 +193,6 @@ class KimiDeltaAttention(nn.Module):
             conv_pool.dtype)
         state_pool[targets] = states.flatten(0, 1)[layout.index]
         return layout.unpad(out)
-
-    def _decay(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log-decay g [T, H, K] in fp32, g <= 0."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        raw = raw.unflatten(-1, (self.num_heads, self.head_dim))
-        # softplus written out as transformers does (identity above 20), to round the same way
-        softplus = torch.where(raw > 20.0, raw, torch.log(1.0 + torch.exp(raw)))
-        return -torch.exp(self.A_log.float().view(self.num_heads, 1)) * softplus
 
 
 def _kernel_group(md, layout: PaddedLayout, per_token: bool) -> bool:

@@ -9,21 +9,42 @@ copying memory twice::
 
 and the per-expert parameters become views into those stacks.
 
-The expert loop syncs with the host once per picked expert; on a GPU,
-batches of up to ``DENSE_MAX_TOKENS`` tokens instead run every expert on
-every token and combine with zero weight for the unpicked ones (no sync).
+Three ways to run the routed experts, all giving the same sums:
+
+- the expert loop (the reference): one matmul pair per picked expert; it
+  syncs with the host once per expert, fine on a CPU;
+- grouped (GPU, bf16): the (token, pick) pairs sorted by expert, two
+  ``torch._grouped_mm`` calls that read only the picked experts' weights, no
+  host sync, so it also runs inside CUDA graphs;
+- dense (GPU, other dtypes, up to ``DENSE_MAX_TOKENS`` tokens): every expert
+  on every token, zero weight for the unpicked ones (no sync either, but it
+  reads every expert).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom.layers.linear import StackedLinears
 from atom.ops.cuda import kernels_apply
+from atom.ops.cuda.fused import moe_align, moe_combine, moe_route, silu_mul
 
 # Batches up to this many tokens run every expert densely on a GPU (see _forward_dense).
 DENSE_MAX_TOKENS = 128
+
+
+def grouped_mm_applies(x: torch.Tensor) -> bool:
+    """torch's grouped matmul runs on CUDA for bf16 (Hopper and newer, and torch >= 2.8)."""
+    return x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and _is_hopper_or_newer(x.device.index)
+
+
+@functools.cache
+def _is_hopper_or_newer(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 class GatedMLP(nn.Module):
@@ -35,9 +56,10 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up = StackedLinears(self.gate_proj, self.up_proj)  # one matmul; stack() after loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up(x)))
 
 
 class TopkRouter(nn.Module):
@@ -69,7 +91,11 @@ class TopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        if self.topk_groups == self.num_groups:  # no group limit
+            return moe_route(logits, self.e_score_correction_bias, self.top_k, self.norm_topk_prob,
+                             self.routed_scaling_factor)  # fmt: skip
+        scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias
         grouped = biased.view(x.shape[0], self.num_groups, -1)  # [T, G, E/G]
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # best two experts per group
@@ -112,10 +138,19 @@ class RoutedExperts(nn.ModuleList):
             e.w1.weight.data, e.w3.weight.data = gate_up[i, :size], gate_up[i, size:]
             e.w2.weight.data = down[i]
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D]; weights, ids [T, k]. Loops over the experts some token picked, in id order."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add)."""
+        if kernels_apply(x) and grouped_mm_applies(x):
+            return self.forward_grouped(x, weights, ids, addend)
         if x.shape[0] <= DENSE_MAX_TOKENS and kernels_apply(x):
-            return self._forward_dense(x, weights, ids)
+            out = self._forward_dense(x, weights, ids)
+        else:
+            out = self._forward_loop(x, weights, ids)
+        return out if addend is None else out + addend
+
+    def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Loops over the experts some token picked, in id order."""
         out = torch.zeros_like(x)
         counts = torch.bincount(ids.flatten(), minlength=len(self))
         for expert in counts.nonzero().flatten().tolist():  # host sync: fine for a reference
@@ -127,6 +162,17 @@ class RoutedExperts(nn.ModuleList):
             out.index_put_((token,), (y * weights[token, slot, None]).to(x.dtype), accumulate=True)
         return out
 
+    def forward_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The (token, pick) pairs grouped by expert: two grouped matmuls over only the picked experts.
+
+        No host sync and no data-dependent shapes (CUDA-graph safe). The k picks of
+        a token are summed in fp32 in pick order, rounding once, as the dense path.
+        """
+        src_token, pos, ends = moe_align(ids, len(self))  # expert e's rows: [ends[e-1], ends[e])
+        gate_up = torch._grouped_mm(x[src_token], self.gate_up_proj.transpose(1, 2), offs=ends)
+        y = torch._grouped_mm(silu_mul(gate_up), self.down_proj.transpose(1, 2), offs=ends)  # [T*k, D]
+        return moe_combine(y, pos, weights, addend)
 
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, combined with zero weight for the unpicked: no host sync.
@@ -160,4 +206,4 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.experts(x, weights, ids, addend=self.shared_experts(x))

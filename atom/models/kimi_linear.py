@@ -286,5 +286,8 @@ class KimiLinearForCausalLM(nn.Module):
         for layer in self.model.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.experts.fuse()
+                layer.mlp.shared_experts.gate_up.stack()
+            elif isinstance(layer.mlp, GatedMLP):
+                layer.mlp.gate_up.stack()
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.fuse_conv_weights()

@@ -130,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
 
     def post_load(self) -> None:
         self.model.rotary_emb.post_load()
+        for layer in self.model.layers:
+            layer.mlp.gate_up.stack()
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -31,6 +31,12 @@ class CachedRequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits: greedy, no penalties, no logprobs (the sampler's fast path)."""
+        p = self.sampling_params
+        return p.greedy and p.logprobs is None and not p.has_penalties
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
@@ -140,6 +146,11 @@ class ModelRunner:
         last = torch.tensor([starts[i + 1] - 1 for i, _ in picked], device=self.device)
         logits = self.model.compute_logits(hidden[last])
         states = [self.requests[s.request_id] for _, s in picked]
+        if all(st.plain_greedy for st in states):  # no per-row parameters to upload
+            for (_, s), st, token in zip(picked, states, logits.argmax(dim=-1).tolist()):
+                st.output_token_ids.append(token)
+                out.sampled[s.request_id] = [token]
+            return
         batch = SamplingBatch.from_params(
             [st.sampling_params for st in states],
             [st.generator for st in states],

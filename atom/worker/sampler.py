@@ -70,12 +70,8 @@ class SamplingBatch:
             output_token_ids=output_token_ids,
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(p.greedy for p in params),
-            any_penalties=any(_has_penalties(p) for p in params),
+            any_penalties=any(p.has_penalties for p in params),
         )
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""Linears that share an input, run as one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StackedLinears:
+    """Several linears over the same input as one ``[sum(out), in]`` matmul.
+
+    ``stack()`` (after loading) concatenates their weights (and biases) once
+    and rebinds each linear's parameters to views into the stack, so memory
+    is not doubled and the checkpoint names still load. Before ``stack()``
+    the concatenation is built per call.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def stack(self) -> None:
+        self.weight = torch.cat([lin.weight for lin in self.linears])
+        has_bias = self.linears[0].bias is not None
+        self.bias = torch.cat([lin.bias for lin in self.linears]) if has_bias else None
+        start = 0
+        for lin, size in zip(self.linears, self.sizes):
+            lin.weight.data = self.weight[start : start + size]
+            if has_bias:
+                lin.bias.data = self.bias[start : start + size]
+            start += size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """All outputs side by side: [..., sum(out)]."""
+        if self.weight is None:
+            weight = torch.cat([lin.weight for lin in self.linears])
+            bias = None if self.linears[0].bias is None else torch.cat([lin.bias for lin in self.linears])
+            return F.linear(x, weight, bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each linear's output, as views into one matmul's result."""
+        return self(x).split(self.sizes, dim=-1)

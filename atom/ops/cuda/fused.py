@@ -1,0 +1,192 @@
+"""Small fused ops of the decode step (``csrc/fused.cu``), each with its torch reference.
+
+At decode batch sizes a step is hundreds of tiny kernels, and inside a CUDA
+graph each still costs its launch slot (~2 us on an H200), so a chain of
+eight elementwise ops costs more than the matmul it feeds. Each op here is
+one kernel on a GPU with ``atom._C`` and its ``*_ref`` elsewhere. The
+references are the model's own torch code (the layers call these functions),
+so both paths round to the model dtype at the same points.
+
+    rms_norm      weight * round(x * rsqrt(mean(x^2) + eps))
+    silu_mul      round(silu(gate)) * up over [gate | up] rows
+    kda_gate      KDA's log-decay g and beta from their projections
+    moe_route     sigmoid router: top-k on score + bias, renormalised, scaled
+    moe_align     (token, pick) pairs grouped by expert, for grouped matmuls
+    moe_combine   each token's weighted sum over its picks (+ an addend)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, dim] with a contiguous last dim (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# -- rms_norm -----------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * normalize(x).to(x.dtype)`` over the last dim, normalising in fp32 (x's shape and dtype)."""
+    if not kernels_apply(x, weight) or weight.dtype != x.dtype:
+        return rms_norm_ref(x, weight, eps)
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    C().rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x2.shape[0],
+                 x2.shape[1], float(eps), dtype_code(x.dtype), stream_of(x.device))  # fmt: skip
+    return out.view(x.shape)
+
+
+# -- silu_mul -----------------------------------------------------------------------
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = gate | up -> silu(gate) * up [..., I], each op rounding to x's dtype."""
+    if not kernels_apply(x):
+        return silu_mul_ref(x)
+    x2 = _rows(x)
+    width = x2.shape[1] // 2
+    out = torch.empty(x2.shape[0], width, dtype=x.dtype, device=x.device)
+    C().silu_mul(x2.data_ptr(), x2.stride(0), out.data_ptr(), out.stride(0), x2.shape[0], width,
+                 dtype_code(x.dtype), stream_of(x.device))  # fmt: skip
+    return out.view(*x.shape[:-1], width)
+
+
+# -- kda_gate -----------------------------------------------------------------------
+
+
+def kda_gate_ref(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    raw = (f.float() + dt_bias.float()).unflatten(-1, (-1, head_dim))
+    # softplus written out as transformers does (identity above 20), to round the same way
+    softplus = torch.where(raw > 20.0, raw, torch.log(1.0 + torch.exp(raw)))
+    g = -torch.exp(a_log.float().view(-1, 1)) * softplus
+    return g, torch.sigmoid(b).float()
+
+
+def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """KDA's per-channel log-decay and update strength.
+
+    f [T, H*K] (the decay projection, model dtype), dt_bias fp32 [H*K], a_log
+    [H] (any shape with H elements), b [T, H] (the beta projection). Returns
+    (g fp32 [T, H, K] = -exp(a_log) * softplus(f + dt_bias), beta fp32 [T, H]
+    = sigmoid(b) rounded to the model dtype first).
+    """
+    tokens, heads = b.shape
+    if not kernels_apply(f, b) or dt_bias.dtype != torch.float32 or a_log.dtype != f.dtype or b.dtype != f.dtype:
+        return kda_gate_ref(f, dt_bias, a_log, b, head_dim)
+    f2, b2 = _rows(f), _rows(b)
+    g = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=f.device)
+    beta = torch.empty(tokens, heads, dtype=torch.float32, device=f.device)
+    C().kda_gate(f2.data_ptr(), f2.stride(0), dt_bias.contiguous().data_ptr(), a_log.contiguous().data_ptr(),
+                 b2.data_ptr(), b2.stride(0), g.data_ptr(), beta.data_ptr(), tokens, heads, head_dim,
+                 dtype_code(f.dtype), stream_of(f.device))  # fmt: skip
+    return g, beta
+
+
+# -- moe_route ----------------------------------------------------------------------
+
+
+def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    scores = logits.float().sigmoid()
+    biased = scores if bias is None else scores + bias
+    ids = biased.topk(top_k, dim=-1).indices  # best first
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Sigmoid router without group limits: (weights fp32 [T, k], expert ids int64 [T, k]), best pick first.
+
+    logits fp32 [T, E]; experts are chosen on sigmoid(logits) + bias, weighted
+    by sigmoid(logits) (renormalised over the picks if asked), times scale.
+    """
+    tokens, experts = logits.shape
+    if not kernels_apply(logits) or logits.dtype != torch.float32 or experts > 256 or top_k > 32:
+        return moe_route_ref(logits, bias, top_k, renormalize, scale)
+    logits2 = _rows(logits)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    bias_ptr = 0 if bias is None else bias.float().contiguous().data_ptr()
+    C().moe_route(logits2.data_ptr(), logits2.stride(0), bias_ptr, tokens, experts, top_k, renormalize, float(scale),
+                  ids.data_ptr(), weights.data_ptr(), stream_of(logits.device))  # fmt: skip
+    return weights, ids
+
+
+# -- moe_align / moe_combine --------------------------------------------------------
+
+
+def moe_align_ref(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # grouped row -> pair
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=ids.device))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order // ids.shape[1], pos, counts.cumsum(0, dtype=torch.int32)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups the (token, pick) pairs of ids [T, k] by expert, keeping pair order within an expert.
+
+    Returns (src_token int64 [T*k]: the token of each grouped row, pos int64
+    [T*k]: each pair's grouped row, ends int32 [E]: cumulative rows per
+    expert, the ``offs`` of ``torch._grouped_mm``).
+    """
+    if not kernels_apply(ids) or ids.dtype != torch.int64 or num_experts > 1024:
+        return moe_align_ref(ids, num_experts)
+    flat = ids.contiguous().view(-1)
+    src_token, pos = torch.empty_like(flat), torch.empty_like(flat)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    C().moe_align(flat.data_ptr(), flat.numel(), num_experts, ids.shape[1], src_token.data_ptr(), pos.data_ptr(),
+                  ends.data_ptr(), stream_of(ids.device))  # fmt: skip
+    return src_token, pos, ends
+
+
+def moe_combine_ref(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
+                    addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    tokens, top_k = weights.shape
+    picks = y[pos].view(tokens, top_k, -1).float()
+    out = (picks * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    return out if addend is None else out + addend
+
+
+def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
+                addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Each token's picks summed: y [T*k, D] grouped rows, pos [T*k] (moe_align), weights fp32 [T, k].
+
+    Sums in fp32 in pick order and rounds once to y's dtype; then adds
+    ``addend`` [T, D] (e.g. the shared experts' output) as a separate add.
+    """
+    tokens, top_k = weights.shape
+    if not kernels_apply(y, pos, weights) or weights.dtype != torch.float32 or (
+        addend is not None and addend.dtype != y.dtype
+    ):
+        return moe_combine_ref(y, pos, weights, addend)
+    y = y.contiguous()
+    out = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    add_ptr = 0 if addend is None else addend.contiguous().data_ptr()
+    C().moe_combine(y.data_ptr(), pos.contiguous().data_ptr(), weights.contiguous().data_ptr(), add_ptr,
+                    out.data_ptr(), tokens, top_k, y.shape[1], dtype_code(y.dtype), stream_of(y.device))  # fmt: skip
+    return out

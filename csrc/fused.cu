@@ -1,0 +1,316 @@
+// Small fused ops of the decode step. Each replaces a chain of 3-12 torch
+// kernels whose launches, not their bytes, cost the time at decode batch
+// sizes (inside a CUDA graph a node still costs ~1.5-2.5 us). Every one
+// rounds to the model dtype exactly where its torch reference does (see
+// atom/ops/cuda/reference.py), so the fp32 results agree to rounding order.
+//
+//   rms_norm     out = weight * round(x * rsqrt(mean(x^2) + eps))
+//   silu_mul     out = round(silu(gate)) * up, gate | up halves of one row
+//   kda_gate     g = -exp(A_log[h]) * softplus(f + dt_bias) and beta = round(sigmoid(b))
+//   moe_route    sigmoid scores, top-k on score + bias, weights renormalised and scaled
+//   moe_align    (token, pick) pairs grouped by expert: positions and group ends
+//   moe_combine  out = round(sum_j w_j * y[pos_j]) (+ addend), summed in pick order
+#include "kernel_common.h"
+
+namespace atom {
+namespace {
+
+constexpr int kRowsPerBlock = 8;  // one 32-thread group per row
+constexpr int kThreads = 256;
+
+// ---- rms_norm ---------------------------------------------------------------------------------------------------
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v) {
+  __shared__ float partial[32];
+  v = group_sum(v);
+  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+  __syncthreads();  // partial[] may still be read by a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x / kGroup) ? partial[lane] : 0.f;
+  return group_sum(v);
+}
+
+// One block per row: at decode sizes there are few rows, and a row's loads
+// must be spread over many threads to hide their latency.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(const T* x, int64_t x_stride, const T* weight, T* out, int64_t out_stride, int dim, float eps) {
+  const T* xr = x + blockIdx.x * x_stride;
+  float ss = 0.f;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+    const float v = to_float(xr[d]);
+    ss = fmaf(v, v, ss);
+  }
+  const float inv = rsqrtf(block_sum(ss) / dim + eps);
+  T* o = out + blockIdx.x * out_stride;
+  for (int d = threadIdx.x; d < dim; d += blockDim.x)
+    o[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(xr[d]) * inv));
+}
+
+// ---- silu_mul ---------------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void silu_mul_kernel(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows, int64_t width) {
+  const int64_t n = rows * width;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / width, c = i % width;
+    const float gate = to_float(x[r * x_stride + c]);
+    const float up = to_float(x[r * x_stride + width + c]);
+    out[r * out_stride + c] = from_float<T>(round_to<T>(gate / (1.f + expf(-gate))) * up);
+  }
+}
+
+// ---- kda_gate ---------------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bias, const T* a_log, const T* b,
+                                int64_t b_stride, float* g, float* beta, int64_t tokens, int heads, int head_dim) {
+  const int64_t channels = static_cast<int64_t>(heads) * head_dim;
+  const int64_t n_g = tokens * channels, n = n_g + tokens * heads;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (i < n_g) {
+      const int64_t t = i / channels, c = i % channels;
+      const float raw = to_float(f[t * f_stride + c]) + dt_bias[c];
+      const float softplus = raw > 20.f ? raw : logf(1.f + expf(raw));
+      g[i] = -expf(to_float(a_log[c / head_dim])) * softplus;
+    } else {
+      const int64_t j = i - n_g, t = j / heads, h = j % heads;
+      const float v = to_float(b[t * b_stride + h]);
+      beta[j] = round_to<T>(1.f / (1.f + expf(-v)));
+    }
+  }
+}
+
+// ---- moe_route --------------------------------------------------------------------------------------------------
+
+constexpr int kMaxExpertsPerLane = 8;  // up to 256 experts
+
+// One 32-thread group per token. Lane l holds experts l, l + 32, ...; each of
+// the k rounds takes the best remaining biased score (lowest id on ties).
+__global__ void __launch_bounds__(kRowsPerBlock * kGroup)
+    moe_route_kernel(const float* logits, int64_t logits_stride, const float* bias, int64_t tokens, int experts,
+                     int top_k, bool renormalize, float scale, int64_t* ids, float* weights) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kGroup;
+  if (t >= tokens) return;
+  const int lane = threadIdx.x % kGroup;
+  float score[kMaxExpertsPerLane], biased[kMaxExpertsPerLane];
+#pragma unroll
+  for (int j = 0; j < kMaxExpertsPerLane; ++j) {
+    const int e = lane + j * kGroup;
+    score[j] = e < experts ? 1.f / (1.f + expf(-logits[t * logits_stride + e])) : 0.f;
+    biased[j] = e < experts ? score[j] + (bias != nullptr ? bias[e] : 0.f) : -INFINITY;
+  }
+  float picked_sum = 0.f, mine = 0.f;  // lane r keeps pick r's weight
+  int64_t my_id = 0;
+  for (int r = 0; r < top_k; ++r) {
+    float best = -INFINITY, best_score = 0.f;
+    int best_e = INT32_MAX, best_j = -1;
+#pragma unroll
+    for (int j = 0; j < kMaxExpertsPerLane; ++j) {
+      const int e = lane + j * kGroup;
+      if (e < experts && (biased[j] > best || (biased[j] == best && e < best_e))) {
+        best = biased[j];
+        best_e = e;
+        best_j = j;
+        best_score = score[j];
+      }
+    }
+#pragma unroll
+    for (int off = kGroup / 2; off > 0; off /= 2) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, off, kGroup);
+      const int oe = __shfl_xor_sync(0xffffffffu, best_e, off, kGroup);
+      const float os = __shfl_xor_sync(0xffffffffu, best_score, off, kGroup);
+      if (ob > best || (ob == best && oe < best_e)) {
+        best = ob;
+        best_e = oe;
+        best_score = os;
+      }
+    }
+    if (best_j >= 0 && lane + best_j * kGroup == best_e) biased[best_j] = -INFINITY;  // the owner drops it
+    picked_sum += best_score;
+    if (lane == r) {
+      mine = best_score;
+      my_id = best_e;
+    }
+  }
+  if (lane < top_k) {
+    const float w = renormalize ? mine / (picked_sum + 1e-20f) : mine;
+    ids[t * top_k + lane] = my_id;
+    weights[t * top_k + lane] = w * scale;
+  }
+}
+
+// ---- moe_align --------------------------------------------------------------------------------------------------
+
+constexpr int kAlignThreads = 1024;
+constexpr int kAlignChunk = 4096;  // pairs staged in shared memory at a time
+
+// One block. Thread t works on expert e = t % experts over segment s = t / experts
+// of each chunk (segments = 1024 / experts of them), so a chunk of P pairs costs each
+// thread P * experts / 1024 steps. Pass 1 counts each expert's pairs; pass 2 gives
+// each pair its row: the expert's start, plus the expert's pairs in earlier chunks
+// and earlier segments, plus its rank within the segment (pair order is kept).
+__global__ void __launch_bounds__(kAlignThreads)
+    moe_align_kernel(const int64_t* ids, int64_t pairs, int experts, int top_k, int64_t* src_token, int64_t* pos,
+                     int32_t* ends) {
+  __shared__ int32_t chunk[kAlignChunk];
+  __shared__ int32_t seg_count[kAlignThreads];  // [segment][expert]
+  __shared__ int64_t base[1024];                 // per expert: first row not yet handed out
+  const int segments = kAlignThreads / experts;
+  const int e = threadIdx.x % experts, s = threadIdx.x / experts;
+  const bool active = s < segments;
+  if (threadIdx.x < experts) base[threadIdx.x] = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int64_t first = 0; first < pairs; first += kAlignChunk) {
+      const int n = static_cast<int>(pairs - first < kAlignChunk ? pairs - first : kAlignChunk);
+      const int len = static_cast<int>(ceil_div(n, segments));
+      const int lo = s * len, hi = min(n, lo + len);
+      __syncthreads();  // the previous chunk's reads are done
+      for (int i = threadIdx.x; i < n; i += blockDim.x) chunk[i] = static_cast<int32_t>(ids[first + i]);
+      __syncthreads();
+      int count = 0;
+      if (active)
+        for (int i = lo; i < hi; ++i) count += chunk[i] == e;
+      if (pass == 0) {  // totals only
+        if (active && count) atomicAdd(reinterpret_cast<unsigned long long*>(&base[e]), count);
+        continue;
+      }
+      seg_count[threadIdx.x] = count;
+      __syncthreads();
+      if (active) {
+        int64_t row = base[e];
+        for (int j = 0; j < s; ++j) row += seg_count[j * experts + e];
+        for (int i = lo; i < hi; ++i) {
+          if (chunk[i] != e) continue;
+          pos[first + i] = row;
+          src_token[row] = (first + i) / top_k;
+          ++row;
+        }
+      }
+      __syncthreads();  // every thread has read base[]
+      if (active && s == segments - 1) {
+        int64_t total = 0;
+        for (int j = 0; j < segments; ++j) total += seg_count[j * experts + e];
+        base[e] += total;
+      }
+    }
+    if (pass == 0) {  // counts -> starts (exclusive) and ends (inclusive)
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        int64_t run = 0;
+        for (int i = 0; i < experts; ++i) {
+          const int64_t c = base[i];
+          base[i] = run;
+          run += c;
+          ends[i] = static_cast<int32_t>(run);
+        }
+      }
+    }
+  }
+}
+
+// ---- moe_combine ------------------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void moe_combine_kernel(const T* y, const int64_t* pos, const float* weights, const T* addend, T* out,
+                                   int64_t tokens, int top_k, int64_t dim) {
+  const int64_t n = tokens * dim;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / dim, d = i % dim;
+    float acc = 0.f;
+    for (int j = 0; j < top_k; ++j) acc += to_float(y[pos[t * top_k + j] * dim + d]) * weights[t * top_k + j];
+    out[i] = addend != nullptr ? from_float<T>(round_to<T>(acc) + to_float(addend[i])) : from_float<T>(acc);
+  }
+}
+
+unsigned elementwise_blocks(int64_t n) {
+  const int64_t blocks = ceil_div(n, kThreads);
+  return static_cast<unsigned>(blocks < 132 * 16 ? (blocks > 0 ? blocks : 1) : 132 * 16);
+}
+
+}  // namespace
+
+const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows,
+                     int64_t dim, double eps, int dtype, uintptr_t stream) {
+  if (rows < 0 || dim < 1 || dim > INT32_MAX) return "rms_norm: needs rows >= 0 and dim >= 1";
+  if (rows == 0) return nullptr;
+  if (rows > INT32_MAX) return "rms_norm: too many rows";
+  const int threads = dim >= kThreads ? kThreads : static_cast<int>(ceil_div(dim, kGroup) * kGroup);
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "rms_norm", [&]() {
+    rms_norm_kernel<scalar_t><<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
+        reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const scalar_t*>(weight),
+        reinterpret_cast<scalar_t*>(out), out_stride, static_cast<int>(dim), static_cast<float>(eps));
+    return last_launch_error();
+  });
+}
+
+const char* silu_mul(uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_stride, int64_t rows, int64_t width,
+                     int dtype, uintptr_t stream) {
+  if (rows < 0 || width < 1) return "silu_mul: needs rows >= 0 and width >= 1";
+  if (rows == 0) return nullptr;
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "silu_mul", [&]() {
+    silu_mul_kernel<scalar_t><<<elementwise_blocks(rows * width), kThreads, 0, as_stream(stream)>>>(
+        reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<scalar_t*>(out), out_stride, rows, width);
+    return last_launch_error();
+  });
+}
+
+const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t a_log, uintptr_t b, int64_t b_stride,
+                     uintptr_t g, uintptr_t beta, int64_t tokens, int64_t heads, int64_t head_dim, int dtype,
+                     uintptr_t stream) {
+  if (tokens < 0 || heads < 1 || head_dim < 1) return "kda_gate: needs tokens >= 0, heads >= 1, head_dim >= 1";
+  if (tokens == 0) return nullptr;
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "kda_gate", [&]() {
+    kda_gate_kernel<scalar_t><<<elementwise_blocks(tokens * heads * (head_dim + 1)), kThreads, 0, as_stream(stream)>>>(
+        reinterpret_cast<const scalar_t*>(f), f_stride, reinterpret_cast<const float*>(dt_bias),
+        reinterpret_cast<const scalar_t*>(a_log), reinterpret_cast<const scalar_t*>(b), b_stride,
+        reinterpret_cast<float*>(g), reinterpret_cast<float*>(beta), tokens, static_cast<int>(heads),
+        static_cast<int>(head_dim));
+    return last_launch_error();
+  });
+}
+
+const char* moe_route(uintptr_t logits, int64_t logits_stride, uintptr_t bias, int64_t tokens, int64_t experts,
+                      int64_t top_k, bool renormalize, double scale, uintptr_t ids, uintptr_t weights,
+                      uintptr_t stream) {
+  if (experts < 1 || experts > kGroup * kMaxExpertsPerLane) return "moe_route: takes 1 to 256 experts";
+  if (top_k < 1 || top_k > experts || top_k > kGroup) return "moe_route: needs 1 <= top_k <= min(experts, 32)";
+  if (tokens <= 0) return tokens < 0 ? "moe_route: tokens < 0" : nullptr;
+  moe_route_kernel<<<static_cast<unsigned>(ceil_div(tokens, kRowsPerBlock)), kRowsPerBlock * kGroup, 0,
+                     as_stream(stream)>>>(reinterpret_cast<const float*>(logits), logits_stride,
+                                          reinterpret_cast<const float*>(bias), tokens, static_cast<int>(experts),
+                                          static_cast<int>(top_k), renormalize, static_cast<float>(scale),
+                                          reinterpret_cast<int64_t*>(ids), reinterpret_cast<float*>(weights));
+  return last_launch_error();
+}
+
+const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
+                      uintptr_t ends, uintptr_t stream) {
+  if (experts < 1 || experts > 1024) return "moe_align: takes 1 to 1024 experts";
+  if (top_k < 1 || pairs < 0 || pairs % top_k != 0) return "moe_align: pairs must be tokens * top_k";
+  if (pairs > INT32_MAX) return "moe_align: too many pairs";
+  moe_align_kernel<<<1, kAlignThreads, 0, as_stream(stream)>>>(
+      reinterpret_cast<const int64_t*>(ids), pairs, static_cast<int>(experts), static_cast<int>(top_k),
+      reinterpret_cast<int64_t*>(src_token), reinterpret_cast<int64_t*>(pos), reinterpret_cast<int32_t*>(ends));
+  return last_launch_error();
+}
+
+const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens,
+                        int64_t top_k, int64_t dim, int dtype, uintptr_t stream) {
+  if (tokens < 0 || top_k < 1 || dim < 1) return "moe_combine: needs tokens >= 0, top_k >= 1, dim >= 1";
+  if (tokens == 0) return nullptr;
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "moe_combine", [&]() {
+    moe_combine_kernel<scalar_t><<<elementwise_blocks(tokens * dim), kThreads, 0, as_stream(stream)>>>(
+        reinterpret_cast<const scalar_t*>(y), reinterpret_cast<const int64_t*>(pos),
+        reinterpret_cast<const float*>(weights), reinterpret_cast<const scalar_t*>(addend),
+        reinterpret_cast<scalar_t*>(out), tokens, static_cast<int>(top_k), dim);
+    return last_launch_error();
+  });
+}
+
+}  // namespace atom

@@ -1,0 +1,114 @@
+"""The small fused kernels of ``csrc/fused.cu`` against their torch references.
+
+GPU tests (skipped without CUDA and a built ``atom._C``): fresh random
+inputs, the caching allocator's free memory filled with NaN first (the
+wrappers allocate their outputs, which then start as NaN, so an unwritten
+element shows), and the kernel compared with its ``*_ref`` run on the CPU in
+the same dtypes: ||out - ref|| / ||ref|| < 1e-5 in fp32, < 1e-2 in bf16.
+Integer outputs (expert ids, positions, group ends) must be exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.ops._C_loader import get_C
+from atom.ops.cuda import fused
+from tests.test_kernels_gpu import TOL, rel_err
+
+HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "moe_align")
+pytestmark = pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C with csrc/fused.cu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _poison_allocator() -> None:
+    """Fill free cached GPU memory with NaN, so fresh torch.empty outputs start as NaN."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")  # 256 MiB
+    del junk
+
+
+def _cpu_and_gpu(*tensors):
+    return [t.cpu() for t in tensors], [t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 2304), (7, 100), (64, 2304), (300, 33)])
+def test_rms_norm(dtype, rows, dim):
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    w = (torch.rand(dim) + 0.5).to(dtype)
+    _poison_allocator()
+    out = fused.rms_norm(x.cuda(), w.cuda(), 1e-6)
+    assert rel_err(out, fused.rms_norm_ref(x, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_rows(dtype):
+    """Rows of a wider tensor (a view with row stride > dim) are read in place."""
+    wide = torch.randn(9, 160).to(dtype)
+    w = torch.rand(96).to(dtype)
+    _poison_allocator()
+    out = fused.rms_norm(wide.cuda()[:, 10:106], w.cuda(), 1e-5)
+    assert rel_err(out, fused.rms_norm_ref(wide[:, 10:106], w, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 1024), (5, 37), (64, 9216 // 2)])
+def test_silu_mul(dtype, rows, width):
+    x = (torch.randn(rows, 2 * width) * 2).to(dtype)
+    _poison_allocator()
+    out = fused.silu_mul(x.cuda())
+    assert rel_err(out, fused.silu_mul_ref(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 32, 128), (17, 3, 40), (64, 32, 128)])
+def test_kda_gate(dtype, tokens, heads, head_dim):
+    f = (torch.randn(tokens, heads * head_dim) * 8).to(dtype)  # some above 20: softplus's identity branch
+    f[0, :5] = torch.tensor([25.0, 20.5, 19.5, -30.0, 0.0]).to(dtype)
+    dt_bias = torch.randn(heads * head_dim)
+    a_log = torch.empty(1, 1, heads, 1).uniform_(-3, 1).to(dtype)
+    b = (torch.randn(tokens, heads + 5) * 3).to(dtype)[:, 2 : 2 + heads]  # strided rows
+    _poison_allocator()
+    g, beta = fused.kda_gate(f.cuda(), dt_bias.cuda(), a_log.cuda(), b.cuda(), head_dim)
+    g_ref, beta_ref = fused.kda_gate_ref(f, dt_bias, a_log, b, head_dim)
+    assert g.dtype == beta.dtype == torch.float32 and g.shape == (tokens, heads, head_dim)
+    # g is fp32 all the way from the same rounded inputs: fp32 tolerance in both dtypes
+    assert rel_err(g, g_ref) < 1e-5
+    assert rel_err(beta, beta_ref) < TOL[dtype]  # rounded to the model dtype: one ulp apart at worst
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renorm", [(1, 16, 4, True), (64, 16, 4, True), (37, 256, 8, True),
+                                                         (5, 40, 6, False), (3, 8, 1, True)])
+def test_moe_route(tokens, experts, top_k, renorm):
+    logits = torch.randn(tokens, experts) * 2
+    bias = torch.randn(experts) * 0.1
+    _poison_allocator()
+    weights, ids = fused.moe_route(logits.cuda(), bias.cuda(), top_k, renorm, 2.5)
+    w_ref, ids_ref = fused.moe_route_ref(logits, bias, top_k, renorm, 2.5)
+    assert torch.equal(ids.cpu(), ids_ref)  # best first; random scores have no ties
+    assert rel_err(weights, w_ref) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (64, 16, 4), (2000, 64, 6), (3, 1024, 2)])
+def test_moe_align(tokens, experts, top_k):
+    scores = torch.rand(tokens, experts)
+    scores[:, : experts // 4] += 0.5  # skewed: some experts get no pair
+    ids = scores.topk(top_k, dim=-1).indices
+    _poison_allocator()
+    src, pos, ends = fused.moe_align(ids.cuda(), experts)
+    src_ref, pos_ref, ends_ref = fused.moe_align_ref(ids, experts)
+    assert torch.equal(ends.cpu(), ends_ref)
+    assert torch.equal(pos.cpu(), pos_ref) and torch.equal(src.cpu(), src_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,top_k,dim,with_addend", [(1, 4, 2304, True), (64, 4, 2304, False), (9, 3, 50, True)])
+def test_moe_combine(dtype, tokens, top_k, dim, with_addend):
+    y = torch.randn(tokens * top_k, dim).to(dtype)
+    pos = torch.randperm(tokens * top_k)
+    weights = torch.rand(tokens, top_k)
+    addend = torch.randn(tokens, dim).to(dtype) if with_addend else None
+    _poison_allocator()
+    out = fused.moe_combine(y.cuda(), pos.cuda(), weights.cuda(), None if addend is None else addend.cuda())
+    assert rel_err(out, fused.moe_combine_ref(y, pos, weights, addend)) < TOL[dtype]

@@ -1,0 +1,82 @@
+"""The routed experts' three execution paths (loop, grouped, dense) agree.
+
+The loop is the reference; the grouped and dense paths are what GPUs run
+(bf16 grouped matmuls; dense for other dtypes), here exercised on the CPU in
+fp32, where torch's grouped matmul has a fallback, so the bookkeeping
+(sorting pairs by expert, group ends, unsorting, summing picks) is checked
+without a GPU. tests/test_gpu_engine.py covers them on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.layers.moe import RoutedExperts
+from atom.ops.cuda import fused
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+
+
+def _experts(num_experts: int, hidden: int, inter: int, seed: int) -> RoutedExperts:
+    torch.manual_seed(seed)
+    experts = RoutedExperts(num_experts, hidden, inter, torch.float32)
+    for p in experts.parameters():
+        p.data.normal_(0, hidden**-0.5)
+    experts.fuse()
+    return experts
+
+
+def _routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator, skew: bool):
+    scores = torch.rand(tokens, num_experts, generator=gen)
+    if skew:  # most tokens pick the same few experts; some experts get no token at all
+        scores[:, : num_experts // 2] += 1.0
+    ids = scores.topk(top_k, dim=-1, sorted=False).indices
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return weights, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 64])
+@pytest.mark.parametrize("skew", [False, True])
+def test_grouped_and_dense_match_the_expert_loop(tokens: int, skew: bool) -> None:
+    experts = _experts(num_experts=8, hidden=48, inter=24, seed=tokens)
+    gen = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(tokens, 48, generator=gen)
+    weights, ids = _routing(tokens, 8, 3, gen, skew)
+    with torch.no_grad():
+        ref = experts(x, weights, ids)  # CPU: the loop
+        grouped = experts.forward_grouped(x, weights, ids)
+        dense = experts._forward_dense(x, weights, ids)
+    assert ref.abs().max() > 0
+    torch.testing.assert_close(grouped, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dense, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_path_reads_only_the_picked_experts() -> None:
+    """Poisoning an expert no token picked changes nothing; poisoning a picked one does."""
+    experts = _experts(num_experts=8, hidden=32, inter=16, seed=0)
+    x = torch.randn(5, 32)
+    ids = torch.tensor([[0, 2], [2, 5], [5, 0], [0, 2], [7, 5]])
+    weights = torch.rand(5, 2) + 0.1
+    with torch.no_grad():
+        before = experts.forward_grouped(x, weights, ids)
+        experts.gate_up_proj[3].fill_(float("nan"))  # expert 3: unpicked
+        experts.down_proj[3].fill_(float("nan"))
+        assert torch.equal(experts.forward_grouped(x, weights, ids), before)
+        experts.down_proj[7].fill_(float("nan"))  # expert 7: picked by token 4 only
+        after = experts.forward_grouped(x, weights, ids)
+    assert torch.isnan(after[4]).all() and not torch.isnan(after[:4]).any()
+
+
+def test_fused_op_references_on_cpu():
+    """The references of csrc/fused.cu (what the layers run on a CPU) compute what they say."""
+    from atom.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, eps=1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(5, 64)
+    xf = x.float()
+    expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(norm(x), expected)
+    src, pos, ends = fused.moe_align(torch.tensor([[2, 0], [0, 1], [2, 1]]), 4)
+    assert ends.tolist() == [2, 4, 6, 6] and src.tolist() == [0, 1, 1, 2, 0, 2] and pos.tolist() == [4, 0, 1, 2, 5, 3]
