@@ -2,6 +2,7 @@
 
     python bench/kernels_gpu.py                 # every kernel, default sizes
     python bench/kernels_gpu.py --json out.json
+    python bench/kernels_gpu.py --only kda_prefill   # prefill: ours vs fla vs torch chunked, side by side
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -91,6 +92,51 @@ def bench_kda(C, batch: int, tokens: int = 1, heads: int = 32, dim: int = 128, p
     moved += sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, out))
     name = f"kda_decode B={batch} T={tokens}{' per-token slots' if per_token else ''}"
     return {"op": name, "bytes": moved, "us": time_us(run)}
+
+
+def bench_kda_prefill(seqs: int, length: int, heads: int = 32, dim: int = 128) -> dict:
+    """KDA prefill, bf16 q/k/v, fp32 state: ours, fla's chunk_kda (if installed), the torch chunked reference."""
+    from atom.ops.cuda.kda_prefill import fla_available, kda_prefill
+    from atom.ops.kda import kda_chunked, l2norm
+
+    bf16, tokens = torch.bfloat16, seqs * length
+    q = torch.randn(tokens, heads, dim, dtype=bf16, device="cuda")
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    g = -torch.rand(tokens, heads, dim, device="cuda")
+    beta = torch.rand(tokens, heads, device="cuda")
+    cu = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * length
+    pool = torch.randn(seqs, heads, dim, dim, device="cuda") * 0.1
+    slots = torch.arange(seqs, device="cuda")
+
+    def ours():
+        kda_prefill(q, k, v, g, beta, cu, pool, slots, backend="atom")
+
+    def fla():
+        kda_prefill(q, k, v, g, beta, cu, pool, slots, backend="fla")
+
+    def torch_ref():  # what the layer ran before: the chunked form on the padded batch, fp32
+        qn = l2norm(q.float()).view(seqs, length, heads, dim) * dim**-0.5
+        kn = l2norm(k.float()).view(seqs, length, heads, dim)
+        kda_chunked(qn, kn, v.float().view(seqs, length, heads, dim), g.view(seqs, length, heads, dim),
+                    beta.view(seqs, length, heads), pool.clone())  # fmt: skip
+
+    row = {"op": f"kda_prefill {seqs}x{length} H={heads} K=V={dim}", "tokens": tokens, "ours_us": time_us(ours)}
+    row["fla_us"] = time_us(fla, reps=10) if fla_available() else None
+    row["torch_us"] = time_us(torch_ref, reps=3, warmup=1)
+    return row
+
+
+def print_prefill(rows: list[dict]) -> None:
+    print(f"\n{'op':<36} {'ours us':>10} {'fla us':>10} {'torch us':>11} {'ours Mtok/s':>12} {'fla Mtok/s':>11} "
+          f"{'torch Mtok/s':>13}")  # fmt: skip
+    for r in rows:
+        per = {name: (r[f"{name}_us"], r["tokens"] / r[f"{name}_us"]) if r[f"{name}_us"] else (None, None)
+               for name in ("ours", "fla", "torch")}  # fmt: skip
+        us = " ".join(f"{per[n][0]:{w}.0f}" if per[n][0] else f"{'-':>{w}}" for n, w in (("ours", 10), ("fla", 10),
+                                                                                        ("torch", 11)))
+        rate = " ".join(f"{per[n][1]:{w}.2f}" if per[n][1] else f"{'-':>{w}}" for n, w in (("ours", 12), ("fla", 11),
+                                                                                          ("torch", 13)))
+        print(f"{r['op']:<36} {us} {rate}")
 
 
 def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
@@ -204,7 +250,12 @@ def main() -> None:
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))
         cases.append((f"{name} state", lambda g=gather: bench_blocks(C, 64, slot_bytes, g)))
     wanted = args.only.split(",") if args.only else None
+    prefill_cases = [(f"kda_prefill {n}x{t}", lambda n=n, t=t: bench_kda_prefill(n, t)) for n, t in
+                     ((8, 2048), (1, 8192), (32, 512))]  # fmt: skip
+    prefill = [run() for name, run in prefill_cases if wanted is None or any(w in name for w in wanted)]
     rows = [run() for name, run in cases if wanted is None or any(w in name for w in wanted)]
+    if prefill:
+        print_prefill(prefill)
 
     print(f"\n{'op':<52} {'us':>9} {'MB':>9} {'GB/s':>7} {'ceil%':>6} {'TFLOP/s':>8}")
     for r in rows:
@@ -214,7 +265,8 @@ def main() -> None:
         print(f"{r['op']:<52} {r['us']:9.1f} {r['bytes'] / 1e6:9.2f} {r['gbps']:7.0f} {100 * r['frac']:5.1f}% {tf}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "ceiling_gbps": ceiling, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "ceiling_gbps": ceiling, "rows": rows,
+                       "kda_prefill": prefill}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
