@@ -9,9 +9,12 @@ Two implementations of the same contract (``kda_prefill``):
 definitions match ours (g: per-channel log-decay; beta: after the sigmoid;
 q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by K^-0.5; state
 [K, V] fp32), so only the slot gather/scatter is ours on that path. ``auto``
-takes fla only for bf16/fp16 inputs and only if ``AUTO_PICKS_FLA`` (set from
-the measurement in GPU_NOTES); fp32 inputs always take ours, which meets the
-1e-5 fp32 tolerance (fla's Triton matmuls need not).
+takes fla for bf16/fp16 inputs where it is importable (``AUTO_PICKS_FLA``: it
+measured 2.6-6.5x faster than ours on an H200) and ours otherwise; fp32
+inputs always take ours, which meets the 1e-5 fp32 tolerance (fla's Triton
+matmuls round to bf16/tf32: 4.4e-3 from ours on bf16 inputs). The fla path
+gathers/scatters the slots around ``chunk_kda`` and does not take padding
+sequences (slot < 0).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import kda_prefill_ref
 
 BACKENDS = ("auto", "atom", "fla")
-# From the H200 measurement in GPU_NOTES_kda.md (bench/kernels_gpu.py --only kda_prefill).
-AUTO_PICKS_FLA = False
+# H200, bf16, H=32, K=V=128 (GPU_NOTES_kda.md, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 1.7 / 2.5 ms
+# vs ours 8.3 / 11.0 / 6.6 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 2.6-6.5x faster.
+AUTO_PICKS_FLA = True
 
 
 @functools.cache
