@@ -2,6 +2,7 @@
 
     python bench/kernels_gpu.py                 # every kernel, default sizes
     python bench/kernels_gpu.py --json out.json
+    python bench/kernels_gpu.py --only kda_prefill   # prefill: ours vs fla vs torch chunked, side by side
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -91,6 +92,61 @@ def bench_kda(C, batch: int, tokens: int = 1, heads: int = 32, dim: int = 128, p
     moved += sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, out))
     name = f"kda_decode B={batch} T={tokens}{' per-token slots' if per_token else ''}"
     return {"op": name, "bytes": moved, "us": time_us(run)}
+
+
+def kda_prefill_inputs(seqs: int, length: int, heads: int = 32, dim: int = 128) -> dict:
+    bf16, tokens = torch.bfloat16, seqs * length
+    q = torch.randn(tokens, heads, dim, dtype=bf16, device="cuda")
+    return {
+        "q": q, "k": torch.randn_like(q), "v": torch.randn_like(q),
+        "g": -torch.rand(tokens, heads, dim, device="cuda"), "beta": torch.rand(tokens, heads, device="cuda"),
+        "cu_seqlens": torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * length,
+        "state_pool": torch.randn(seqs, heads, dim, dim, device="cuda") * 0.1,
+        "state_slots": torch.arange(seqs, device="cuda"),
+    }  # fmt: skip
+
+
+def bench_kda_prefill(seqs: int, length: int, impl: str) -> float:
+    """Microseconds of one KDA prefill (H=32, K=V=128, bf16 q/k/v, fp32 state) through ``impl``:
+    'atom' / 'fla' (``kda_prefill``'s backends) or 'torch' (the chunked reference on the padded batch,
+    what the layer ran before)."""
+    from atom.ops.cuda.kda_prefill import kda_prefill
+    from atom.ops.kda import kda_chunked, l2norm
+
+    x = kda_prefill_inputs(seqs, length)
+    if impl == "fla":  # also how far fla is from ours on these inputs (output and final state)
+        pools = [x["state_pool"].clone() for _ in range(2)]
+        outs = [kda_prefill(**{**x, "state_pool": pool}, backend=b) for pool, b in zip(pools, ("atom", "fla"))]
+        errs = [((b.float() - a.float()).norm() / a.float().norm()).item() for a, b in (outs, pools)]
+        print(f"fla vs atom {seqs}x{length}: output rel err {errs[0]:.2e}, final state rel err {errs[1]:.2e}")
+    if impl != "torch":
+        return time_us(lambda: kda_prefill(**x, backend=impl), reps=20 if impl == "atom" else 10)
+
+    def torch_ref():
+        shape = (seqs, length, *x["q"].shape[1:])
+        qn = l2norm(x["q"].float()).view(shape) * shape[-1] ** -0.5
+        kn = l2norm(x["k"].float()).view(shape)
+        kda_chunked(qn, kn, x["v"].float().view(shape), x["g"].view(shape), x["beta"].view(seqs, length, -1),
+                    x["state_pool"].clone())  # fmt: skip
+
+    return time_us(torch_ref, reps=3, warmup=1)
+
+
+def run_prefill(sizes: list[tuple[int, int]]) -> list[dict]:
+    """Ours and the torch reference for every size, then fla (its first calls autotune), printed as measured."""
+    from atom.ops.cuda.kda_prefill import fla_available
+
+    rows = [{"op": f"kda_prefill {n}x{t} H=32 K=V=128 bf16", "tokens": n * t} for n, t in sizes]
+    impls = ["atom", "torch"] + (["fla"] if fla_available() else [])
+    for impl in impls:
+        for row, (n, t) in zip(rows, sizes):
+            row[f"{impl}_us"] = us = bench_kda_prefill(n, t, impl)
+            print(f"{row['op']:<40} {impl:>5}: {us:10.0f} us {row['tokens'] / us:8.2f} Mtok/s", flush=True)
+    print(f"\n{'op':<40} " + " ".join(f"{name + ' us':>10} {name + ' Mtok/s':>12}" for name in impls))
+    for row in rows:
+        cells = " ".join(f"{row[f'{name}_us']:10.0f} {row['tokens'] / row[f'{name}_us']:12.2f}" for name in impls)
+        print(f"{row['op']:<40} {cells}")
+    return rows
 
 
 def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
@@ -205,6 +261,7 @@ def main() -> None:
         cases.append((f"{name} state", lambda g=gather: bench_blocks(C, 64, slot_bytes, g)))
     wanted = args.only.split(",") if args.only else None
     rows = [run() for name, run in cases if wanted is None or any(w in name for w in wanted)]
+    prefill = run_prefill([(8, 2048), (1, 8192), (32, 512)]) if wanted is None or "kda_prefill" in wanted else []
 
     print(f"\n{'op':<52} {'us':>9} {'MB':>9} {'GB/s':>7} {'ceil%':>6} {'TFLOP/s':>8}")
     for r in rows:
@@ -214,7 +271,8 @@ def main() -> None:
         print(f"{r['op']:<52} {r['us']:9.1f} {r['bytes'] / 1e6:9.2f} {r['gbps']:7.0f} {100 * r['frac']:5.1f}% {tf}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "ceiling_gbps": ceiling, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "ceiling_gbps": ceiling, "rows": rows,
+                       "kda_prefill": prefill}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -57,6 +57,31 @@ const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int
                        uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads, int64_t key_dim,
                        int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream);
 
+// ---- kda_prefill.cu: KDA prefill (chunked form) over varlen packed sequences, state in the slot pool.
+//
+// Tokens of N sequences packed back to back: sequence n is tokens
+// [cu_seqlens[n], cu_seqlens[n + 1]) (cu_seqlens: [N + 1] `cu_seqlens_dtype`
+// kInt32 or kInt64 on the device). q, k: [T, heads, key_dim] and v:
+// [T, heads, value_dim], `dtype`, token t at t * x_st elements with its
+// [heads, dim] contiguous (views into one conv output need no copy); out
+// [T, heads, value_dim] `dtype` contiguous. g [T, heads, key_dim] fp32
+// log-decay and beta [T, heads] fp32, contiguous. q and k arrive raw, as for
+// kda_decode (l2norm with eps inside the sqrt, q scaled by `scale`). state,
+// slot_stride, has_initial_state as for kda_decode: sequence n reads slot
+// state_slots[n] (int64) and writes its final state to out_slots[n] (may be
+// the same array); state_slots[n] < 0: zero output, no state touched.
+// workspace: kda_prefill_workspace_floats(T, N, heads) fp32 scratch.
+// key_dim <= 128; any value_dim.
+const char* kda_prefill(uintptr_t q, int64_t q_st, uintptr_t k, int64_t k_st, uintptr_t v, int64_t v_st, uintptr_t g,
+                        uintptr_t beta, uintptr_t cu_seqlens, int cu_seqlens_dtype, uintptr_t state,
+                        int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, uintptr_t has_initial_state,
+                        uintptr_t out, uintptr_t workspace, int64_t total_tokens, int64_t num_seqs, int64_t heads,
+                        int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream);
+
+// Chunks the scratch has room for (chunk i of sequence n is number cu_seqlens[n] / 16 + n + i).
+int64_t kda_prefill_num_chunk_ids(int64_t total_tokens, int64_t num_seqs);
+int64_t kda_prefill_workspace_floats(int64_t total_tokens, int64_t num_seqs, int64_t heads);
+
 // ---- conv1d.cu: depthwise causal conv1d (width 2..5) + SiLU for decode.
 //
 // x, out: [batch, tokens, channels] `dtype` contiguous; weight [channels,

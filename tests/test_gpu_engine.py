@@ -2,7 +2,7 @@
 
 Skipped without CUDA and a built ``atom._C``. Both sides run the same small
 random Kimi-Linear checkpoint in fp32; the GPU side must actually go through
-the kernels (decode KDA groups, MLA decode), which the call counts check.
+the kernels (KDA prefill and decode groups, MLA decode), which the call counts check.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def kernel_calls(monkeypatch):
     import atom.layers.kda as kda_layer
     import atom.ops.cuda as kernels
 
-    counts = {"kda_decode": 0, "mla_decode": 0}
+    counts = {"kda_decode": 0, "kda_prefill": 0, "mla_decode": 0}
 
     def counting(module, name):
         inner = getattr(module, name)
@@ -50,6 +50,7 @@ def kernel_calls(monkeypatch):
         monkeypatch.setattr(module, name, wrapper)
 
     counting(kda_layer, "kda_decode")
+    counting(kda_layer, "kda_prefill")
     counting(kernels, "mla_decode")
     return counts
 
@@ -61,6 +62,7 @@ def test_gpu_kernels_match_cpu_reference(tmp_path, kernel_calls, variant, budget
     cpu = _generate(path, max_num_batched_tokens=budget)
     gpu = _generate(path, device="cuda", max_num_batched_tokens=budget)
     assert kernel_calls["kda_decode"] > 0 and kernel_calls["mla_decode"] > 0
+    assert kernel_calls["kda_prefill"] > 0  # the 24- and 25-token prompts span more than one 16-token chunk
     assert gpu == cpu
 
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from atom.ops._C_loader import get_C
-from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, mla_decode, write_latent_cache
+from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode, write_latent_cache
 from atom.ops.cuda import reference as ref
+from atom.ops.cuda.kda_prefill import fla_available, prefill_backend
 
 HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "kda_decode")
 gpu = pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C")
@@ -54,6 +55,36 @@ def test_kda_reference_matches_model_recurrence():
     out = ref.kda_decode_ref(q, k, v, g, beta, pool, slots)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pool[slots], final, rtol=1e-5, atol=1e-6)
+
+
+def test_kda_prefill_reference_matches_model_chunked_form():
+    from atom.ops import split_decode_prefill
+    from atom.ops.kda import kda_chunked, l2norm
+
+    torch.manual_seed(0)
+    lens, H, K, V = [5, 40, 17], 2, 16, 8
+    starts = [0, 5, 45, 62]
+    (layout,) = split_decode_prefill(starts, torch.device("cpu"))
+    T = starts[-1]
+    q, k, v = _rand(T, H, K), _rand(T, H, K), _rand(T, H, V)
+    g, beta = -torch.rand(T, H, K), torch.rand(T, H)
+    pool = _rand(5, H, K, V)
+    slots = torch.tensor([3, 0, 4])
+    expected, final = kda_chunked(layout.pad(l2norm(q) * K**-0.5), layout.pad(l2norm(k)), layout.pad(v),
+                                  layout.pad(g), layout.pad(beta), pool[slots].clone())  # fmt: skip
+    out = ref.kda_prefill_ref(q, k, v, g, beta, layout.cu_seqlens, pool, slots)
+    torch.testing.assert_close(out, layout.unpad(expected), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[slots], final, rtol=1e-5, atol=1e-5)
+
+
+def test_kda_prefill_backend_switch(monkeypatch):
+    monkeypatch.setenv("ATOM_KDA_PREFILL", "atom")
+    assert prefill_backend(torch.bfloat16) == "atom"
+    monkeypatch.setenv("ATOM_KDA_PREFILL", "auto")
+    assert prefill_backend(torch.float32) == "atom"  # fp32 never takes fla under auto
+    monkeypatch.setenv("ATOM_KDA_PREFILL", "triton")
+    with pytest.raises(ValueError, match="ATOM_KDA_PREFILL"):
+        prefill_backend(torch.bfloat16)
 
 
 def test_conv_reference_matches_model_conv():
@@ -193,6 +224,67 @@ def test_kda_decode_strided_views_of_one_conv_output():
     assert out.shape == (B, H, K)
     assert rel_err(out, expected.squeeze(1)) < 1e-2
     assert rel_err(pool, expected_pool) < 1e-5
+
+
+PREFILL_LENS = [1, 15, 16, 17, 100, 300]  # around the chunk size (16) and several chunks
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["atom", "fla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lens, H, K, V, moved",
+    [
+        (PREFILL_LENS, 32, 128, 128, False),  # the model's size, state in place
+        ([17, 1, 300, 16, 0, 15, 100], 3, 48, 40, True),  # odd K/V (K padded to 64), an empty sequence, other slots
+        ([33, 64, 5], 2, 64, 200, False),  # four V tiles, the last partial
+        ([300, 45, 1], 4, 100, 132, True),  # K padded to 128, odd V
+    ],
+)
+def test_kda_prefill(backend, dtype, lens, H, K, V, moved):
+    if backend == "fla" and not fla_available():
+        pytest.skip("fla (flash-linear-attention) is not installed")
+    if backend == "fla" and 0 in lens:
+        lens = [n for n in lens if n]
+    torch.manual_seed(sum(lens) + K + V)
+    N, T = len(lens), sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    # q | k | v as views into one packed tensor, as the layer passes them
+    packed = _rand(T, H * (2 * K + V), dtype=dtype)
+    q, k, v = packed[:, : H * K].view(T, H, K), packed[:, H * K : 2 * H * K].view(T, H, K), packed[:, 2 * H * K :]
+    v = v.view(T, H, V)
+    g = -torch.rand(T, H, K)
+    beta = torch.rand(T, H)
+    num_slots = 2 * N + 3
+    perm = torch.randperm(num_slots)
+    ins, outs = perm[:N].clone(), (perm[N : 2 * N] if moved else None)
+    if backend == "atom" and moved:
+        ins[1] = -1  # a padding sequence: zero output, its slots untouched
+    valid = ins >= 0
+    read = set(ins[valid].tolist())
+    written = set((ins if outs is None else outs)[valid].tolist())
+    pool = _rand(num_slots, H, K, V, scale=0.1)
+    _poison(pool, read, written)
+    has_init = torch.rand(N) > 0.3
+    pool_gpu = pool.cuda()
+    expected_pool = pool.clone()
+    expected = ref.kda_prefill_ref(q, k, v, g, beta, cu, expected_pool, ins, outs, has_init)
+
+    dev = [t.cuda() for t in (packed, g, beta, cu, ins)]
+    packed_gpu = dev[0]
+    qd = packed_gpu[:, : H * K].view(T, H, K)
+    kd = packed_gpu[:, H * K : 2 * H * K].view(T, H, K)
+    vd = packed_gpu[:, 2 * H * K :].view(T, H, V)
+    out = torch.full((T, H, V), float("nan"), dtype=dtype, device="cuda")
+    kda_prefill(qd, kd, vd, dev[1], dev[2], dev[3], pool_gpu, dev[4], out_slots=outs.cuda() if outs is not None else None,
+                has_initial_state=has_init.cuda(), backend=backend, out=out)  # fmt: skip
+    # fla's Triton matmuls round to bf16/tf32: its fp32 output is held to the bf16 bound
+    tol = TOL[dtype] if backend == "atom" else 1e-2
+    assert rel_err(out, expected) < tol
+    touched = sorted(written)
+    assert rel_err(pool_gpu[touched], expected_pool[touched]) < (1e-5 if backend == "atom" else 1e-2)
+    untouched = [i for i in range(num_slots) if i not in written]
+    assert torch.equal(pool_gpu.cpu()[untouched].nan_to_num(7.0), pool[untouched].nan_to_num(7.0))
 
 
 @gpu

@@ -17,6 +17,7 @@ ops may compute garbage at '--' as long as it is finite; ``unpad`` drops it.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class PaddedLayout:
     token_ids: torch.Tensor  # [T'] their tokens' rows in the step's flat batch
     index: torch.Tensor  # [T'] b' * max_len + j for token j of the b'-th sequence here
     lengths: torch.Tensor  # [B'] query length of each sequence here
+    cu_seqlens: torch.Tensor  # [B' + 1] int64: sequence b' is rows [cu[b'], cu[b'+1]) of unpad()'s output
     max_len: int
 
     @property
@@ -85,5 +87,6 @@ def _layout(seqs: tuple[int, ...], starts: tuple[int, ...], lens: list[int], dev
         token_ids=tensor(tokens),
         index=tensor(index),
         lengths=tensor([lens[b] for b in seqs]),
+        cu_seqlens=tensor([0] + list(itertools.accumulate(lens[b] for b in seqs))),
         max_len=max_len,
     )

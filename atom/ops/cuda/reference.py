@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atom.ops.kda import kda_recurrent_states, l2norm
+from atom.ops.kda import kda_recurrent, kda_recurrent_states, l2norm
 
 
 def _slot_rows(
@@ -81,6 +81,44 @@ def kda_decode_ref(
             state_pool[outs[rows] + t] = states[:, t].to(state_pool.dtype)
     else:
         state_pool[outs[rows]] = states[:, -1].to(state_pool.dtype)
+    return out
+
+
+def kda_prefill_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    out_slots: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """KDA prefill of packed sequences, in place on ``state_pool``; returns o [T, H, V] in v's dtype.
+
+    q, k: [T, H, K] raw; v: [T, H, V]; g: [T, H, K] fp32 log-decay; beta:
+    [T, H]; sequence n is tokens [cu_seqlens[n], cu_seqlens[n + 1]). Slots as
+    for ``kda_decode_ref`` (final state only). Token by token, like the model.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ids, outs, rows = _slot_rows(state_slots, out_slots)
+    out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    bounds = cu_seqlens.tolist()
+    finals = {}
+    for n in rows.tolist():
+        lo, hi = bounds[n], bounds[n + 1]
+        state = _initial(state_pool, ids, torch.tensor([n], device=ids.device), has_initial_state)  # [1, H, K, V]
+        qn = l2norm(q[lo:hi].float(), eps) * scale
+        seq = (t[lo:hi].float().unsqueeze(0) for t in (k, v, g, beta))
+        kn, vs, gs, bs = seq
+        o, finals[n] = kda_recurrent(qn.unsqueeze(0), l2norm(kn, eps), vs, gs, bs, state)
+        out[lo:hi] = o[0].to(v.dtype)
+    for n, state in finals.items():  # every read before any write
+        state_pool[outs[n]] = state[0].to(state_pool.dtype)
     return out
 
 

@@ -1,0 +1,167 @@
+"""KDA prefill over varlen packed sequences, updating the slot-indexed fp32 state pool.
+
+Two implementations of the same contract (``kda_prefill``):
+
+    atom   csrc/kda_prefill.cu: chunked (WY) form, CUDA cores, fp32 inside
+    fla    flash-linear-attention's Triton ``chunk_kda``, where ``fla`` is importable
+
+``ATOM_KDA_PREFILL=auto|atom|fla`` picks one (default ``auto``). fla's
+definitions match ours (g: per-channel log-decay; beta: after the sigmoid;
+q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by K^-0.5; state
+[K, V] fp32), so only the slot gather/scatter is ours on that path. ``auto``
+takes fla for bf16/fp16 inputs where it is importable (``AUTO_PICKS_FLA``: it
+measured 2.6-6.5x faster than ours on an H200) and ours otherwise; fp32
+inputs always take ours, which meets the 1e-5 fp32 tolerance (fla's Triton
+matmuls round to bf16/tf32: 4.4e-3 from ours on bf16 inputs). The fla path
+gathers/scatters the slots around ``chunk_kda`` and does not take padding
+sequences (slot < 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda.reference import kda_prefill_ref
+
+BACKENDS = ("auto", "atom", "fla")
+# H200, bf16, H=32, K=V=128 (GPU_NOTES_kda.md, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 1.7 / 2.5 ms
+# vs ours 8.3 / 11.0 / 6.6 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 2.6-6.5x faster.
+AUTO_PICKS_FLA = True
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether fla's ``chunk_kda`` imports here (fla installed with its dependencies, e.g. einops)."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    try:
+        importlib.import_module("fla.ops.kda")
+    except ImportError:
+        return False
+    return True
+
+
+def prefill_backend(dtype: torch.dtype) -> str:
+    """'atom' or 'fla': which implementation ``kda_prefill`` runs for inputs of ``dtype``."""
+    choice = os.environ.get("ATOM_KDA_PREFILL", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"ATOM_KDA_PREFILL must be one of {', '.join(BACKENDS)}, got {choice!r}")
+    if choice == "fla" and not fla_available():
+        raise RuntimeError("ATOM_KDA_PREFILL=fla needs flash-linear-attention (`pip install flash-linear-attention`); "
+                           "or set ATOM_KDA_PREFILL=atom")
+    if choice == "auto":
+        return "fla" if AUTO_PICKS_FLA and fla_available() and dtype != torch.float32 else "atom"
+    return choice
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    *,
+    out_slots: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KDA over the packed tokens of N sequences, each from its slot's state; writes each final state back.
+
+    q, k: [T, H, K] raw conv outputs (l2-normalised here, q also scaled by
+    ``scale``, default K^-0.5); each token's [H, K] contiguous, the token stride
+    free (q, k, v may be views into one [T, 3*H*K] tensor). v: [T, H, V];
+    g: [T, H, K] fp32 log-decay (<= 0); beta: [T, H]; cu_seqlens: [N + 1]
+    int32/int64 on the device, sequence n = tokens [cu[n], cu[n + 1]).
+    state_pool [slots, H, K, V] fp32; state_slots / out_slots int64 [N] (out
+    defaults to in); has_initial_state bool [N] (False: start from zeros).
+    state_slots[n] < 0 (a padding sequence: zero output, no state touched)
+    only on the atom path. ``backend``: 'atom' or 'fla' overrides
+    ``ATOM_KDA_PREFILL``. Returns o [T, H, V] in v's dtype, written into ``out``
+    if given (contiguous).
+    """
+    tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    if k.shape != q.shape or g.shape != q.shape or v.shape[:2] != q.shape[:2] or beta.shape != q.shape[:2]:
+        raise ValueError(
+            f"kda_prefill: q, k, g must share [T, H, K] and v, beta its [T, H]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+        )
+    if state_pool.dtype != torch.float32 or state_pool.shape[1:] != (heads, key_dim, value_dim):
+        raise ValueError(f"kda_prefill: state_pool must be fp32 [slots, {heads}, {key_dim}, {value_dim}], "
+                         f"got {state_pool.dtype} {tuple(state_pool.shape)}")
+    scale = key_dim**-0.5 if scale is None else scale
+    if not kernels_apply(q, k, v, g, beta, cu_seqlens, state_pool, state_slots) or key_dim > 128:
+        ref = kda_prefill_ref(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, out_slots, has_initial_state,
+                              scale, eps)  # fmt: skip
+        return ref if out is None else out.copy_(ref)
+    ins = state_slots.reshape(num_seqs).to(dtype=torch.int64).contiguous()
+    outs = ins if out_slots is None else out_slots.reshape(num_seqs).to(dtype=torch.int64).contiguous()
+    if (backend or prefill_backend(v.dtype)) == "fla" and eps == 1e-6:
+        o = _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initial_state, scale)
+        return o if out is None else out.copy_(o)
+
+    if not state_pool[0].is_contiguous():
+        raise ValueError("kda_prefill: each slot of state_pool must be one contiguous [H, K, V] block")
+    dtype = v.dtype
+    q, k, v = (_token_major(t.to(dtype)) for t in (q, k, v))
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    cu = cu_seqlens if cu_seqlens.dtype in (torch.int32, torch.int64) else cu_seqlens.long()
+    cu = cu.contiguous()
+    init = None
+    if has_initial_state is not None:
+        init = has_initial_state.to(device=v.device, dtype=torch.uint8).contiguous()
+    if out is None:
+        out = torch.empty(tokens, heads, value_dim, dtype=dtype, device=v.device)
+    elif out.shape != (tokens, heads, value_dim) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"kda_prefill: out must be a contiguous {dtype} [{tokens}, {heads}, {value_dim}] tensor, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    workspace = torch.empty(C().kda_prefill_workspace_floats(tokens, num_seqs, heads), dtype=torch.float32,
+                            device=v.device)  # fmt: skip
+    with torch.cuda.device(v.device):
+        C().kda_prefill(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), g.data_ptr(),
+            beta.data_ptr(), cu.data_ptr(), dtype_code(cu.dtype), state_pool.data_ptr(), state_pool.stride(0),
+            ins.data_ptr(), outs.data_ptr(), init.data_ptr() if init is not None else 0, out.data_ptr(),
+            workspace.data_ptr(), tokens, num_seqs, heads, key_dim, value_dim, float(scale), float(eps),
+            dtype_code(dtype), stream_of(v.device),
+        )  # fmt: skip
+    return out
+
+
+def _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initial_state, scale) -> torch.Tensor:
+    """The same through fla's ``chunk_kda`` (varlen, normalisation in its kernel); slots gathered/scattered here."""
+    from fla.ops.kda import chunk_kda
+
+    initial = state_pool[ins]  # [N, H, K, V] fp32 copy: every read before the write below
+    if has_initial_state is not None:
+        initial = torch.where(has_initial_state.to(device=initial.device, dtype=torch.bool)[:, None, None, None],
+                              initial, 0)  # fmt: skip
+    dtype = v.dtype
+    o, final = chunk_kda(
+        q.to(dtype).contiguous().unsqueeze(0), k.to(dtype).contiguous().unsqueeze(0), v.contiguous().unsqueeze(0),
+        g.float().contiguous().unsqueeze(0), beta.float().contiguous().unsqueeze(0), scale=scale,
+        initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.long(),
+    )  # fmt: skip
+    state_pool[outs] = final.float()
+    return o[0].to(dtype)
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] whose per-token [H, D] is contiguous; copies only when it is not."""
+    _, heads, dim = x.shape
+    if x.stride(2) == 1 and x.stride(1) == dim:
+        return x
+    return x.contiguous()
