@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from atom.config import EngineConfig, SpeculativeConfig
-from atom.engine.engine_core import EngineCore
+from atom.engine.engine_core import EngineCore, shorten_gil_switch_interval
 from atom.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -73,6 +73,8 @@ class LLM:
             while core.has_unfinished_requests():
                 yield core.step()
             return
+        if str(self.config.device).startswith("cuda"):  # a GPU step is shorter than the default 5 ms
+            shorten_gil_switch_interval()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward") as pool:
             inflight = None
             while inflight is not None or core.has_unfinished_requests():

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from atom.config import EngineConfig, SpeculativeConfig
-from atom.engine.engine_core import EngineCore
+from atom.engine.engine_core import EngineCore, shorten_gil_switch_interval
 from atom.outputs import RequestOutput
 from atom.sampling_params import SamplingParams
 
@@ -36,6 +36,8 @@ class AsyncEngine:
         self.core = EngineCore(config)
         self._queues: dict[str, asyncio.Queue] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward")
+        if str(self.config.device).startswith("cuda"):  # a GPU step is shorter than the default 5 ms
+            shorten_gil_switch_interval()
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._next_id = 0

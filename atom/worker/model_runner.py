@@ -52,6 +52,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = make_drafter(config, self.model)
+        self._pinned: torch.Tensor | None = None  # host landing buffer for sampled ids (_to_host)
         # captured pure-decode forwards (CUDA only; None: every step runs eagerly)
         self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
 
@@ -147,7 +148,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])
         states = [self.requests[s.request_id] for _, s in picked]
         if all(st.plain_greedy for st in states):  # no per-row parameters to upload
-            for (_, s), st, token in zip(picked, states, logits.argmax(dim=-1).tolist()):
+            for (_, s), st, token in zip(picked, states, self._to_host(logits.argmax(dim=-1))):
                 st.output_token_ids.append(token)
                 out.sampled[s.request_id] = [token]
             return
@@ -165,6 +166,21 @@ class ModelRunner:
             out.sampled[s.request_id] = [token]
             if lp is not None:
                 out.logprobs[s.request_id] = [lp]
+
+    def _to_host(self, ids: torch.Tensor) -> list[int]:
+        """A small int64 device tensor as a list. On a GPU it goes through a pinned buffer and
+        the wait is an event's, which lets other Python threads run meanwhile (with async
+        scheduling the next step is planned during it)."""
+        if ids.device.type != "cuda":
+            return ids.tolist()
+        if self._pinned is None or self._pinned.numel() < ids.numel():
+            self._pinned = torch.empty(max(ids.numel(), 256), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host.tolist()
 
     def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
         """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode)."""
