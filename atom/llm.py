@@ -26,6 +26,7 @@ class LLM:
             raise ValueError("kv_transfer_config (P/D) needs the event-loop engine: use AsyncEngine or "
                              "`atom-engine serve --kv-transfer-config ...`, not LLM")
         self.engine = EngineCore(self.config)
+        self.engine.stream_outputs = False  # generate() returns finished requests only
         self._next_id = 0
 
     def get_tokenizer(self):

@@ -18,6 +18,10 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._offsets: dict[str, tuple[int, int]] = {}  # request id -> (prefix_offset, read_offset)
+        self._decode = _fast_decode(tokenizer) or self._slow_decode
+
+    def _slow_decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def update(self, request: Request) -> str | None:
         """Append new text to ``request.output_text``; the stop string hit, if any."""
@@ -44,8 +48,8 @@ class Detokenizer:
         skip = request.sampling_params.skip_special_tokens
         prefix, read = self._offsets.get(request.request_id, (max(request.num_prompt_tokens - _WINDOW, 0),
                                                               request.num_prompt_tokens))
-        prefix_text = self.tokenizer.decode(tokens[prefix:read], skip_special_tokens=skip)
-        full_text = self.tokenizer.decode(tokens[prefix:], skip_special_tokens=skip)
+        prefix_text = self._decode(tokens[prefix:read], skip)
+        full_text = self._decode(tokens[prefix:], skip)
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""  # wait for the rest of a multi-byte character
         self._offsets[request.request_id] = (read, len(tokens))
@@ -53,3 +57,13 @@ class Detokenizer:
 
     def flush(self, request: Request) -> None:
         self._offsets.pop(request.request_id, None)
+
+
+def _fast_decode(tokenizer):
+    """The Rust tokenizer's own decode, skipping transformers' per-call argument handling
+    (a third of a decode step's host time at batch 64), where that gives the same text:
+    a fast tokenizer that does not clean up tokenization spaces afterwards."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return lambda ids, skip_special_tokens: backend.decode(ids, skip_special_tokens=skip_special_tokens)

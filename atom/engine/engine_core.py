@@ -52,6 +52,8 @@ class EngineCore:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.runner = ModelRunner(config)
+        # False: update() reports finished requests only (the offline LLM, which streams nothing)
+        self.stream_outputs = True
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and self.runner.has_recurrent_state:
             logger.info(
@@ -175,6 +177,8 @@ class EngineCore:
                 request.first_token_time = time.monotonic()
             if request.is_finished:
                 self.detokenizer.flush(request)
+            elif not self.stream_outputs:
+                continue
             outputs.append(self._make_output(request))
         return outputs
 
