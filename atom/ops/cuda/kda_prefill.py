@@ -29,7 +29,7 @@ from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import kda_prefill_ref
 
 BACKENDS = ("auto", "atom", "fla")
-# H200, bf16, H=32, K=V=128 (GPU_NOTES_kda.md, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 1.7 / 2.5 ms
+# H200, bf16, H=32, K=V=128 (GPU_NOTES.md, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 1.7 / 2.5 ms
 # vs ours 8.3 / 11.0 / 6.6 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 2.6-6.5x faster.
 AUTO_PICKS_FLA = True
 
