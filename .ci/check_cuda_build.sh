@@ -19,9 +19,9 @@ trap 'rm -rf "$out"' EXIT
 
 start=$SECONDS
 for src in csrc/*.cu; do
-  "$nvcc" -c -arch=sm_90 -std=c++17 -O2 -Icsrc -Xcompiler -fPIC,-Wall --Werror all-warnings \
+  "$nvcc" -c -arch=sm_90a -DATOM_SM90A -std=c++17 -O2 -Icsrc -Xcompiler -fPIC,-Wall --Werror all-warnings \
     "$src" -o "$out/$(basename "$src").o"
-  echo "check_cuda_build: compiled $src (nvcc, sm_90)"
+  echo "check_cuda_build: compiled $src (nvcc, sm_90a)"
 done
 # The same sources through hipcc, where one is installed (Debian's `hipcc`):
 # CDNA targets its clang knows (gfx942/gfx950 need ROCm >= 6's compiler).

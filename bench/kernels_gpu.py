@@ -245,7 +245,7 @@ def main() -> None:
     ]
     for ctx in (2048, 4096):
         cases += [(f"mla_decode B={b} ctx={ctx} bs=16", lambda b=b, c=ctx: bench_mla(C, b, c)) for b in batches]
-    for k in (3, 5, 6):  # MlaKernel variants, forced
+    for k in (3, 5, 6, 7):  # MlaKernel variants, forced
         for b in (16, 64, 128):
             cases.append((f"mla_decode B={b} ctx=4096 bs=16 k={k}", lambda b=b, k=k: bench_mla(C, b, 4096, kernel=k)))
     cases += [

@@ -133,6 +133,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("mla_decode_has_tensor_cores", &atom::mla_decode_has_tensor_cores,
         "whether mla_decode has its tensor-core kernel in this build");
+  m.def("mla_decode_has_warpgroup_mma", &atom::mla_decode_has_warpgroup_mma,
+        "whether mla_decode's warpgroup-MMA kernel (kernel=7) runs on this build and GPU");
 
   m.def(
       "write_latent_cache",

@@ -9,8 +9,9 @@
 // so a sequence's cache is read once for all its heads (multi-query shape).
 // With 32 heads that is ~60 flop per cache byte: more than CUDA cores can do
 // at HBM speed, so the bf16 512/64 case (Kimi-Linear, DeepSeek) runs on the
-// tensor cores (mla_mma.cuh). Long sequences are split over several blocks
-// (flash-decoding); mla_combine_kernel merges the splits by their
+// tensor cores (mla_mma.cuh; on sm_90a builds and compute capability 9.0
+// GPUs the warpgroup-MMA version, mla_wgmma.cuh). Long sequences are split
+// over several blocks (flash-decoding); mla_combine_kernel merges the splits by their
 // log-sum-exp. Other dtypes and sizes, and HIP builds, use the CUDA-core
 // kernel below.
 #include "mla_common.cuh"
@@ -18,6 +19,7 @@
 #if !defined(__HIPCC__) && !defined(USE_ROCM)
 #define ATOM_MLA_MMA 1
 #include "mla_mma.cuh"
+#include "mla_wgmma.cuh"
 #endif
 
 namespace atom {
@@ -193,6 +195,9 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
     case kMlaTensorCores16Bulk:
       err = launch_mma(mma::mla_decode_mma_kernel<16, true, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
+    case kMlaWarpgroup:
+      err = launch_mma(wg::mla_decode_wgmma_kernel<OutT>, wg::kSmemBytes, wg::kThreads, p, batch, stream);
+      break;
 #endif
     default: {
       const size_t smem = static_cast<size_t>(p.rank + p.rope) * sizeof(float);
@@ -227,23 +232,35 @@ const char* dispatch_out(const MlaParams& p, int64_t batch, int kernel, int out_
 
 namespace {
 
-// Whether the current device is Hopper or newer (cp.async.bulk, mbarrier tx counts).
-bool has_sm90() {
+// The current device's compute capability (major * 10 + minor), 0 if unknown.
+int device_capability() {
 #ifdef ATOM_MLA_MMA
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-  return major >= 9;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return 0;
+  return major * 10 + minor;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+// Whether the current device is Hopper or newer (cp.async.bulk, mbarrier tx counts).
+bool has_sm90() { return device_capability() >= 90; }
 
 }  // namespace
 
 bool mla_decode_has_tensor_cores() {
 #ifdef ATOM_MLA_MMA
   return true;
+#else
+  return false;
+#endif
+}
+
+bool mla_decode_has_warpgroup_mma() {
+#if defined(ATOM_MLA_MMA) && defined(ATOM_SM90A)
+  return device_capability() == 90;  // sm_90a code runs on compute capability 9.0 only
 #else
   return false;
 #endif
@@ -286,10 +303,15 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
   cudaStream_t st = as_stream(stream);
   const bool aligned16 = (q_latent | q_pe | cache) % 16 == 0 && block_stride % 8 == 0 && row_stride % 8 == 0;
   const bool mma_fits = mla_decode_has_tensor_cores() && dtype == kBFloat16 && rank == 512 && rope_dim == 64 && aligned16;
-  if (kernel == kMlaAuto) kernel = mma_fits ? kMlaTensorCores16Lean : kMlaCudaCores;
+  if (kernel < kMlaAuto || kernel > kMlaWarpgroup) return "mla_decode: unknown kernel (MlaKernel)";
+  if (kernel == kMlaAuto) {
+    kernel = !mma_fits ? kMlaCudaCores : mla_decode_has_warpgroup_mma() ? kMlaWarpgroup : kMlaTensorCores16Lean;
+  }
   if (kernel != kMlaCudaCores && !mma_fits)
     return "mla_decode: the tensor-core kernels need bf16, rank 512, rope 64, 16-byte aligned rows (CUDA)";
   if (kernel == kMlaTensorCores16Bulk && !has_sm90()) return "mla_decode: bulk copies need an sm_90+ GPU";
+  if (kernel == kMlaWarpgroup && !mla_decode_has_warpgroup_mma())
+    return "mla_decode: warpgroup MMAs need an sm_90a build (CMAKE_CUDA_ARCHITECTURES 90a) and an sm_90 GPU";
   if (kernel == kMlaCudaCores && rank > kGenericThreads * kGenericMaxCols) return "mla_decode: rank must be <= 1024";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "mla_decode", [&]() {
     return dispatch_out<scalar_t>(p, batch, kernel, out_dtype, st);

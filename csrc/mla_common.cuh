@@ -7,7 +7,6 @@
 namespace atom {
 namespace {
 
-
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -44,6 +43,17 @@ __device__ __forceinline__ TileRange split_tiles(int64_t seq_len, int tile, int 
 __device__ __forceinline__ int64_t row_offset(const MlaParams& p, int64_t b, int64_t pos) {
   const int64_t blk = load_index(p.block_tables, b * p.bt_stride + pos / p.block_size, p.bt64);
   return blk * p.block_stride + (pos % p.block_size) * p.row_stride;
+}
+
+// Element offset of position tile * kTile + j, or -1 past the split's end.
+template <int kTile>
+__device__ __forceinline__ int64_t tile_row(const MlaParams& p, int64_t b, int64_t seq_len, TileRange tiles,
+                                            int64_t tile, int j) {
+  const int64_t pos = tile * kTile + j;
+  if (tile >= tiles.end || pos >= seq_len) return -1;
+  const int ipos = static_cast<int>(pos);  // 32-bit division: positions < 2^31
+  const int64_t blk = load_index(p.block_tables, b * p.bt_stride + ipos / p.block_size, p.bt64);
+  return blk * p.block_stride + static_cast<int64_t>(ipos % p.block_size) * p.row_stride;
 }
 
 // A split with no positions: zeros (single split) or an empty partial.

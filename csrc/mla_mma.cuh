@@ -18,9 +18,11 @@
 // tile instead of 4 (the next tile's data is awaited at the end of this one).
 // kBulk (with kLean, sm_90): each cache row arrives by one cp.async.bulk
 // completing on the stage's mbarrier instead of 72 16-byte cp.async.
-// The default is 16 warps, lean, no bulk copies: fastest on an H200
-// (GPU_NOTES.md: 62% of the copy ceiling at batch 64, ctx 4096); the others
-// stay selectable (MlaKernel) to re-measure.
+// Where the build has no sm_90a code (or the GPU is not compute capability
+// 9.0) the default is 16 warps, lean, no bulk copies: the fastest of these on
+// an H200 (GPU_NOTES.md: 62% of the copy ceiling at batch 64, ctx 4096; the
+// sm_90a kernel in mla_wgmma.cuh reaches 66%); the others stay selectable
+// (MlaKernel) to re-measure.
 #pragma once
 
 #include "mla_common.cuh"
@@ -60,16 +62,6 @@ __device__ __forceinline__ bf16_t* q_row(Smem& sm, int head) {
 }
 __device__ __forceinline__ float* s_row(Smem& sm, int quarter, int head) {
   return reinterpret_cast<float*>(sm.qs) + (quarter * kHeads + head) * kSPad;
-}
-
-// Element offset of position tile * kTile + j, or -1 past the split's end.
-__device__ __forceinline__ int64_t tile_row(const MlaParams& p, int64_t b, int64_t seq_len, TileRange tiles,
-                                            int64_t tile, int j) {
-  const int64_t pos = tile * kTile + j;
-  if (tile >= tiles.end || pos >= seq_len) return -1;
-  const int ipos = static_cast<int>(pos);  // 32-bit division: positions < 2^31
-  const int64_t blk = load_index(p.block_tables, b * p.bt_stride + ipos / p.block_size, p.bt64);
-  return blk * p.block_stride + static_cast<int64_t>(ipos % p.block_size) * p.row_stride;
 }
 
 template <int kWarps, bool kLean, bool kBulk, typename OutT>
@@ -145,8 +137,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
     }
   }
   if (threadIdx.x < kTile) {
-    sm.rows[0][threadIdx.x] = tile_row(p, b, seq_len, tiles, tiles.begin, threadIdx.x);
-    sm.rows[1][threadIdx.x] = tile_row(p, b, seq_len, tiles, tiles.begin + 1, threadIdx.x);
+    sm.rows[0][threadIdx.x] = tile_row<kTile>(p, b, seq_len, tiles, tiles.begin, threadIdx.x);
+    sm.rows[1][threadIdx.x] = tile_row<kTile>(p, b, seq_len, tiles, tiles.begin + 1, threadIdx.x);
   }
   {
     const bf16_t* ql = static_cast<const bf16_t*>(p.q_latent);
@@ -194,7 +186,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) mla_decode_mma_kernel(MlaParam
   for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
     const int it = static_cast<int>(tile - tiles.begin), stage = it & 1;
     // Offsets two tiles ahead: loaded now, stored at the end, so the load's latency hides behind this tile.
-    const int64_t next_row = threadIdx.x < kTile ? tile_row(p, b, seq_len, tiles, tile + 2, threadIdx.x) : -1;
+    const int64_t next_row = threadIdx.x < kTile ? tile_row<kTile>(p, b, seq_len, tiles, tile + 2, threadIdx.x) : -1;
     if (tile + 1 < tiles.end) {
       load_tile(stage ^ 1, sm.rows[(it + 1) & 1], tile + 1);
     } else if constexpr (!kBulk) {

@@ -112,8 +112,9 @@ const char* gated_rmsnorm(uintptr_t x, int64_t x_stride, uintptr_t gate, int64_t
 // num_splits > 1 splits each sequence's positions over that many blocks and
 // needs fp32 workspaces o_part [batch, num_splits, heads, rank] and lse_part
 // [batch, num_splits, heads]. `kernel` (MlaKernel): kMlaAuto takes the
-// tensor cores for bf16 with rank 512 / rope 64 (CUDA) and the CUDA-core
-// kernel otherwise; the other values force one (benchmarks, tests).
+// tensor cores for bf16 with rank 512 / rope 64 (CUDA: kMlaWarpgroup where
+// mla_decode_has_warpgroup_mma(), else kMlaTensorCores16Lean) and the
+// CUDA-core kernel otherwise; the other values force one (benchmarks, tests).
 enum MlaKernel : int {
   kMlaAuto = 0,
   kMlaCudaCores = 1,
@@ -122,6 +123,7 @@ enum MlaKernel : int {
   kMlaTensorCores8Lean = 4,   // 8 warps, grouped softmax, 3 barriers per tile
   kMlaTensorCores16Lean = 5,  // 16 warps, grouped softmax, 3 barriers per tile
   kMlaTensorCores16Bulk = 6,  // as 5, rows moved by sm_90 bulk copies (cp.async.bulk + mbarrier)
+  kMlaWarpgroup = 7,          // sm_90a warpgroup MMAs, operands from shared memory (csrc/mla_wgmma.cuh)
 };
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,
@@ -132,6 +134,9 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
 
 // Whether this build has mla_decode's tensor-core kernel (CUDA, not HIP).
 bool mla_decode_has_tensor_cores();
+
+// Whether kMlaWarpgroup runs here: an sm_90a build on a compute capability 9.0 GPU.
+bool mla_decode_has_warpgroup_mma();
 
 // ---- latent_cache.cu: cache row of token t = [latent[t] | rope[t]] at slot_mapping[t].
 //

@@ -15,8 +15,8 @@ import torch
 from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import mla_decode_ref, write_latent_cache_ref
 
-# The tensor-core kernel: one block of 16 warps per (sequence, 32 heads, split),
-# 64 positions per tile, about 200 KB of shared memory (one block per SM).
+# The tensor-core kernels: one block of 16 warps per (sequence, 32 heads, split),
+# 64 positions per tile, 200-225 KB of shared memory (one block per SM).
 _TC_HEADS, _TC_TILE = 32, 64
 # The CUDA-core kernel: one block per (sequence, head, split), 32-position tiles.
 _CC_TILE, _CC_BLOCKS_PER_SM = 32, 8
@@ -45,7 +45,8 @@ def mla_decode(
     SMs without a host sync; by default the block table's capacity. Returns
     [B, H, rank] in out_dtype, or writes ``out`` (contiguous, its dtype wins).
     ``kernel`` forces one implementation (``MlaKernel`` in csrc/ops.h: 1 CUDA
-    cores, 2-6 tensor-core variants) for tests and benchmarks; 0 picks.
+    cores, 2-6 tensor-core variants, 7 warpgroup MMAs on sm_90a) for tests
+    and benchmarks; 0 picks.
     """
     batch, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]

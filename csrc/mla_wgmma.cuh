@@ -1,0 +1,261 @@
+// Hopper (sm_90a) MLA decode for rank 512 + rope 64 on warpgroup MMAs,
+// included by mla.cu on CUDA builds only. Same work split as mla_mma.cuh (a
+// block owns one sequence, 32 heads and one split of the positions; 64-row
+// tiles of the cache through a two-stage cp.async ring), but the tensor cores
+// read K, V, Q and P straight from shared memory, so no operand passes
+// through registers (no ldmatrix) and each warpgroup issues a handful of
+// instructions per product. Four warpgroups; per tile:
+//
+//   S^T[64 x 32]  = K[64 x 576] Q^T       warpgroup w sums k-steps 9w .. 9w+8
+//                                         (partials through shared memory)
+//   online softmax over S, 16 lanes per head, P rounded to bf16
+//   O^T[512 x 32] = alpha O^T + V^T P^T   warpgroup w owns latent columns 128w ..
+//
+// S is computed transposed (positions as M = 64, heads as N = 32) because a
+// warpgroup MMA has M = 64 and there are only 32 heads; likewise O^T. The
+// cache tile is stored once, in the 128-byte swizzle layout (wgmma_sm90.h):
+// 9 blocks of 64 columns, each 64 rows (positions) of 128 bytes. Read with
+// rows along K it is K for S^T; with rows along M it is V^T (a transposed A
+// operand) for O^T. (Without the swizzle, in plain 8 x 16-byte core matrices,
+// the same kernel ran 1.7x slower: GPU_NOTES_mla.md.) Byte offsets:
+//
+//   tile (pos, col):  col / 64 * kBlockKv + swizzle_128b(pos, col % 64 / 8) + col % 8 * 2
+//   Q    (head, col): col / 64 * kBlockQ + swizzle_128b(head, col % 64 / 8) + col % 8 * 2
+//   P    (head, pos): swizzle_128b(head, pos / 8) + pos % 8 * 2
+#pragma once
+
+#include "bulk_copy_sm90.h"  // fence_proxy_async
+#include "mla_common.cuh"
+#include "wgmma_sm90.h"
+
+namespace atom {
+namespace {
+namespace wg {
+
+constexpr int kRank = 512, kRope = 64, kDim = kRank + kRope;
+constexpr int kHeads = 32, kTile = 64;
+constexpr int kWarpGroups = 4, kThreads = kWarpGroups * 128;
+constexpr int kChunks = kDim / 8;                // 16-byte chunks per cache row
+constexpr int kKPer = kDim / 16 / kWarpGroups;   // 9 k-steps of S per warpgroup
+constexpr int kColsPer = kRank / kWarpGroups;    // 128 latent columns of O per warpgroup
+constexpr int kBlockKv = kTile * 128;            // tile bytes per 64 columns
+constexpr int kBlockQ = kHeads * 128;            // Q bytes per 64 columns
+constexpr int kRowGroup = 8 * 128;               // bytes per 8 swizzled rows
+constexpr int kSPad = kTile + 4;                 // partial-score rows: stores of a fragment hit distinct banks
+constexpr int kStageBytes = kTile * kDim * 2;
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+struct Smem {  // placed at a 1024-byte aligned shared address (the swizzle works on address bits 4-9)
+  unsigned char kv[2][kStageBytes];
+  unsigned char q[kHeads * kDim * 2];
+  unsigned char p[kHeads * kTile * 2];
+  float s[kWarpGroups][kHeads][kSPad];  // warpgroup w's partial S (head-major)
+  int64_t rows[2][kTile];               // element offsets of a tile's positions, -1 past the end
+  float alpha[kHeads], m[kHeads], l[kHeads];
+};
+constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (ptx::smem_addr(smem_raw) & 1023)) & 1023));
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = warp / 4, wq = warp % 4;  // warpgroup, and warp within it (accumulator rows 16 wq ..)
+  const int g = lane >> 2, t4 = lane & 3;
+  const int split = blockIdx.x, h0 = blockIdx.y * kHeads;
+  const int64_t b = blockIdx.z;
+  const int nh = min(kHeads, p.heads - h0);
+  const int64_t seq_len = load_index(p.seq_lens, b, p.sl64);
+  const TileRange tiles = split_tiles(seq_len, kTile, split, p.num_splits);
+  if (tiles.begin >= tiles.end) {
+    write_empty<OutT>(p, b, split, h0, nh);
+    return;
+  }
+  const bf16_t* cache = static_cast<const bf16_t*>(p.cache);
+
+  // Tile loads: warp w copies position 8 (w % 8) + lane % 8, chunks
+  // 4 (w / 8 + 2 i) + lane / 8: 8 lanes write one chunk of 8 rows (distinct
+  // banks under the swizzle) and read 64 contiguous bytes of each row.
+  const int ld_pos = 8 * (warp % 8) + lane % 8;
+  auto load_tile = [&](int stage, const int64_t* rows) {
+    const int64_t off = rows[ld_pos];
+    const bf16_t* src = cache + (off >= 0 ? off : 0);
+#pragma unroll
+    for (int i = 0; i < kChunks / 8; ++i) {
+      const int c = 4 * (warp / 8 + 2 * i) + lane / 8;
+      unsigned char* dst = sm.kv[stage] + c / 8 * kBlockKv + ptx::swizzle_128b(ld_pos, c % 8);
+      ptx::cp_async_16(dst, src + (off >= 0 ? c * 8 : 0), off >= 0);
+    }
+    ptx::cp_async_commit();
+  };
+
+  // Prologue: offsets of the first two tiles; Q (zero rows past the last head); tile 0.
+  if (tid < kTile) {
+    sm.rows[0][tid] = tile_row<kTile>(p, b, seq_len, tiles, tiles.begin, tid);
+    sm.rows[1][tid] = tile_row<kTile>(p, b, seq_len, tiles, tiles.begin + 1, tid);
+  }
+  {
+    const bf16_t* ql = static_cast<const bf16_t*>(p.q_latent);
+    const bf16_t* qp = static_cast<const bf16_t*>(p.q_pe);
+    for (int i = tid; i < kHeads * kChunks; i += kThreads) {
+      const int head = i % kHeads, c = i / kHeads;
+      const int64_t row = b * p.heads + h0 + head;
+      const bf16_t* src = c < kRank / 8 ? ql + row * kRank + c * 8 : qp + row * kRope + (c - kRank / 8) * 8;
+      ptx::cp_async_16(sm.q + c / 8 * kBlockQ + ptx::swizzle_128b(head, c % 8), head < nh ? src : ql, head < nh);
+    }
+    ptx::cp_async_commit();
+  }
+  __syncthreads();  // rows
+  load_tile(0, sm.rows[0]);
+  ptx::cp_async_wait<0>();
+  ptx::fence_proxy_async();
+  __syncthreads();  // Q and tile 0 visible to every warpgroup's MMAs
+
+  float o[2][16];  // O^T: [m64 tile a][fragment]: column kColsPer wg + 64 a + row, head = fragment column
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o[a][i] = 0.f;
+  // Softmax: warp w owns heads 2w, 2w+1; 16 lanes per head, 4 positions per lane.
+  const int srow = 2 * warp + lane / 16, c0 = (lane % 16) * 4;
+  float m_run = -INFINITY, l_run = 0.f;  // of head srow, same in its 16 lanes
+  const float scale_log2 = p.scale * kLog2e;
+
+  for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
+    const int it = static_cast<int>(tile - tiles.begin), stage = it & 1;
+    // Offsets two tiles ahead: loaded now, stored at the end, so the load's latency hides behind this tile.
+    const int64_t next_row = tid < kTile ? tile_row<kTile>(p, b, seq_len, tiles, tile + 2, tid) : -1;
+    if (tile + 1 < tiles.end) load_tile(stage ^ 1, sm.rows[(it + 1) & 1]);
+    const unsigned char* kv = sm.kv[stage];
+
+    {  // partial S^T over this warpgroup's k-steps
+      float s[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s[i] = 0.f;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < kKPer; ++i) {
+        const int k = wg * kKPer + i, blk = k / 4, at = (k % 4) * 32;  // 16 columns = 32 bytes of a row
+        ptx::wgmma_m64n32k16_bf16<0>(s, ptx::smem_desc_sw128(kv + blk * kBlockKv + at, 16, kRowGroup),
+                                     ptx::smem_desc_sw128(sm.q + blk * kBlockQ + at, 16, kRowGroup));
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 16; ++i) ptx::fence_operand(s[i]);
+      // s[i]: position 16 wq + g (+8 if i & 2), head 8 (i / 4) + 2 t4 + (i & 1)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) sm.s[wg][8 * (i / 4) + 2 * t4 + (i & 1)][16 * wq + g + 8 * ((i >> 1) & 1)] = s[i];
+    }
+    __syncthreads();
+
+    {  // online softmax of head srow over positions c0 .. c0 + 3
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kWarpGroups; ++k) {
+        const float4 v = *reinterpret_cast<const float4*>(&sm.s[k][srow][c0]);
+        x[0] += v.x;
+        x[1] += v.y;
+        x[2] += v.z;
+        x[3] += v.w;
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        x[c] = tile * kTile + c0 + c < seq_len ? x[c] * scale_log2 : -INFINITY;
+        mx = fmaxf(mx, x[c]);
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m_run, mx);  // finite: position 0 of a tile is valid
+      const float alpha = exp2f(m_run - m_new);
+      float pr[4], sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        pr[c] = exp2f(x[c] - m_new);
+        sum += pr[c];
+      }
+      uint2 packed;
+      packed.x = pack_bf16x2(pr[0], pr[1]);
+      packed.y = pack_bf16x2(pr[2], pr[3]);
+      *reinterpret_cast<uint2*>(sm.p + ptx::swizzle_128b(srow, c0 / 8) + (c0 % 8) * 2) = packed;
+#pragma unroll
+      for (int off = 8; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      if (lane % 16 == 0) sm.alpha[srow] = alpha;
+    }
+    ptx::fence_proxy_async();  // P
+    __syncthreads();
+
+    {  // O^T = alpha O^T + V^T P^T over this warpgroup's columns
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 al = *reinterpret_cast<const float2*>(&sm.alpha[8 * j + 2 * t4]);
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          o[a][4 * j] *= al.x;
+          o[a][4 * j + 1] *= al.y;
+          o[a][4 * j + 2] *= al.x;
+          o[a][4 * j + 3] *= al.y;
+        }
+      }
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int a = 0; a < 2; ++a) {
+        const unsigned char* v = kv + (kColsPer * wg + 64 * a) / 64 * kBlockKv;
+#pragma unroll
+        for (int k = 0; k < kTile / 16; ++k) {  // positions 16k .. : rows 16k .. of V^T, 32 bytes of P's rows
+          ptx::wgmma_m64n32k16_bf16<1>(o[a], ptx::smem_desc_sw128(v + 2 * k * kRowGroup, kBlockKv, kRowGroup),
+                                       ptx::smem_desc_sw128(sm.p + k * 32, 16, kRowGroup));
+        }
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) ptx::fence_operand(o[a][i]);
+    }
+    if (tid < kTile) sm.rows[it & 1][tid] = next_row;
+    ptx::cp_async_wait<0>();  // the next tile landed for this thread
+    ptx::fence_proxy_async();
+    __syncthreads();  // stage, P, alpha, rows and the partial scores are rewritten next tile
+  }
+
+  if (lane % 16 == 0) {
+    sm.m[srow] = m_run;
+    sm.l[srow] = l_run;
+  }
+  __syncthreads();
+  const int64_t part = (b * p.num_splits + split) * p.heads + h0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int head = 8 * (i / 4) + 2 * t4 + (i & 1);
+    if (head >= nh) continue;
+    const float inv = 1.f / sm.l[head];
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+      const int col = kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1);
+      const float v = o[a][i] * inv;
+      if (p.num_splits == 1) {
+        static_cast<OutT*>(p.out)[(b * p.heads + h0 + head) * kRank + col] = from_float<OutT>(v);
+      } else {
+        p.o_part[(part + head) * kRank + col] = v;
+      }
+    }
+  }
+  if (p.num_splits > 1 && tid < nh) p.lse_part[part + tid] = (sm.m[tid] + log2f(sm.l[tid])) * kLn2;
+#else
+  __trap();
+#endif
+}
+
+}  // namespace wg
+}  // namespace
+}  // namespace atom
