@@ -17,7 +17,7 @@
 // 9 blocks of 64 columns, each 64 rows (positions) of 128 bytes. Read with
 // rows along K it is K for S^T; with rows along M it is V^T (a transposed A
 // operand) for O^T. (Without the swizzle, in plain 8 x 16-byte core matrices,
-// the same kernel ran 1.7x slower: GPU_NOTES_mla.md.) Byte offsets:
+// the same kernel ran 1.7x slower: GPU_NOTES.md.) Byte offsets:
 //
 //   tile (pos, col):  col / 64 * kBlockKv + swizzle_128b(pos, col % 64 / 8) + col % 8 * 2
 //   Q    (head, col): col / 64 * kBlockQ + swizzle_128b(head, col % 64 / 8) + col % 8 * 2
