@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 setup.py build_ext --inplace -j 16 > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py \
   tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_build.py 2>&1 \
-  | tee "$OUT/tests.txt" | tail -3 | tee -a "$OUT/summary.txt"
+  | tee "$OUT/tests.txt" | tail -1 | tee -a "$OUT/summary.txt"
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 python3 bench/kernels_gpu.py 2>&1 | grep -v -i warn | tee "$OUT/kernels.txt" | tail -40
 python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --async-too 2>&1 | grep -v -i warn | tee "$OUT/decode.txt" | tail -6
