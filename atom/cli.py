@@ -31,7 +31,7 @@ _FIELD_OF = {"num_gpu_blocks_override": "num_gpu_blocks"}
 _ENGINE_DESTS = (
     "model", "tokenizer", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "enable_prefix_caching", "enable_chunked_prefill", "num_gpu_blocks_override", "kv_cache_memory", "seed",
-    "device", "speculative_config", "async_scheduling", "kv_transfer_config", "enforce_eager",
+    "device", "speculative_config", "async_scheduling", "kv_transfer_config", "enforce_eager", "num_scheduler_steps",
 )
 
 
@@ -96,9 +96,13 @@ def _engine_flags() -> argparse.ArgumentParser:
     g.add_argument("--device", help=f"torch device, e.g. cpu, cuda, cuda:1 {_default('device')}")
     g.add_argument("--speculative-config", type=_json_object, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-                        "(methods: ngram, mtp); validated only for now: drafting is not implemented yet")
+                        "(methods: ngram, mtp)")
     g.add_argument("--async-scheduling", action="store_true", default=None,
                    help="overlap: plan and queue the next step while the current one runs")
+    g.add_argument("--num-scheduler-steps", type=int, metavar="K",
+                   help="multi-step decoding: when every running request is decoding, run up to K decode "
+                        "steps per scheduling round, so scheduling and output handling are paid once per K "
+                        f"tokens {_default('num_scheduler_steps')}")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",

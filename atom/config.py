@@ -94,6 +94,7 @@ class EngineConfig:
     async_scheduling: bool = False  # overlap: plan step N+1 while step N runs
     kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps (CPU always runs eagerly)
+    num_scheduler_steps: int = 1  # multi-step decoding: up to this many decode steps per scheduling round
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +129,19 @@ class EngineConfig:
             from atom.kv_transfer.base import KVTransferConfig
 
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
+        self._validate_scheduler_steps()
+
+    def _validate_scheduler_steps(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.num_scheduler_steps == 1:
+            return
+        for name, on in (("speculative decoding (speculative_config)", self.speculative_config is not None),
+                         ("async_scheduling", self.async_scheduling),
+                         ("P/D disaggregation (kv_transfer_config)", self.kv_transfer_config is not None)):
+            if on:
+                raise ValueError(f"num_scheduler_steps > 1 does not combine with {name}; "
+                                 "use --num-scheduler-steps 1 or turn that off")
 
     @property
     def torch_dtype(self) -> torch.dtype:

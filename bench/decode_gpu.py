@@ -4,6 +4,7 @@
     python bench/decode_gpu.py --batches 1,16 --output-len 32 --skip-hf
     python bench/decode_gpu.py --eager-too           # also ATOM with --enforce-eager (no CUDA graphs)
     python bench/decode_gpu.py --async-too           # also ATOM with async scheduling (overlap)
+    python bench/decode_gpu.py --multi-step 8        # also ATOM with --num-scheduler-steps 8
 
 The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
@@ -95,14 +96,15 @@ def timed(fn) -> float:
 
 
 def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False,
-                    async_scheduling: bool = False) -> float:
+                    async_scheduling: bool = False, num_scheduler_steps: int = 1) -> float:
     from atom import LLM, SamplingParams
 
     batch = len(prompts)
     max_len = len(prompts[0]) + new_tokens + 8
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=max_len,
               max_num_batched_tokens=max(2048, batch * len(prompts[0])), enable_prefix_caching=False,
-              enforce_eager=enforce_eager, async_scheduling=async_scheduling)  # fmt: skip
+              enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+              num_scheduler_steps=num_scheduler_steps)  # fmt: skip
 
     def run(n):
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
@@ -140,6 +142,8 @@ def main() -> None:
     p.add_argument("--skip-atom", action="store_true")
     p.add_argument("--eager-too", action="store_true", help="also run ATOM with enforce_eager (no CUDA graphs)")
     p.add_argument("--async-too", action="store_true", help="also run ATOM with async scheduling")
+    p.add_argument("--multi-step", type=int, default=0, metavar="K",
+                   help="also run ATOM with num_scheduler_steps=K (multi-step decoding)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("atom.worker.cuda_graph").setLevel(logging.INFO)  # says whether graphs were captured
@@ -166,30 +170,33 @@ def main() -> None:
         atom = _try_atom(args, prompts, batch, enforce_eager=False) if not args.skip_atom else None
         eager = _try_atom(args, prompts, batch, enforce_eager=True) if args.eager_too else None
         overlap = _try_atom(args, prompts, batch, async_scheduling=True) if args.async_too else None
+        multi = _try_atom(args, prompts, batch, num_scheduler_steps=args.multi_step) if args.multi_step > 1 else None
         context = args.input_len + args.output_len // 2
         roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
-        rows.append((batch, atom, eager, overlap, hf, roof))
-        print(f"batch {batch}: atom {atom}, atom eager {eager}, atom async {overlap}, hf {hf}, "
-              f"roofline {roof:.0f} tok/s", flush=True)
+        rows.append((batch, atom, eager, overlap, multi, hf, roof))
+        print(f"batch {batch}: atom {atom}, atom eager {eager}, atom async {overlap}, atom multi-step {multi}, "
+              f"hf {hf}, roofline {roof:.0f} tok/s", flush=True)
 
-    print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'async tok/s':>11} {'hf tok/s':>9} {'ratio':>6} "
-          f"{'roofline':>9} {'atom/roof':>9} {'async/roof':>10}")
-    for batch, atom, eager, overlap, hf, roof in rows:
+    print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'async tok/s':>11} {'multi tok/s':>11} "
+          f"{'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9} {'best/roof':>9}")
+    for batch, atom, eager, overlap, multi, hf, roof in rows:
         fmt = lambda x, w: f"{x:{w}.0f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = f"{atom / hf:6.2f}" if atom and hf else f"{'-':>6}"
         frac = f"{atom / roof:9.1%}" if atom else f"{'-':>9}"
-        frac_async = f"{overlap / roof:10.1%}" if overlap else f"{'-':>10}"
-        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(overlap, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} "
-              f"{frac} {frac_async}")
+        best = max((x for x in (atom, overlap, multi) if x), default=None)
+        frac_best = f"{best / roof:9.1%}" if best else f"{'-':>9}"
+        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(overlap, 11)} {fmt(multi, 11)} {fmt(hf, 9)} "
+              f"{ratio} {roof:9.0f} {frac} {frac_best}")
 
 
 def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = False,
-              async_scheduling: bool = False) -> float | None:
+              async_scheduling: bool = False, num_scheduler_steps: int = 1) -> float | None:
     try:
-        return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling)
+        return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling,
+                               num_scheduler_steps)  # fmt: skip
     except Exception as e:  # report and keep the other numbers
-        print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}) failed at batch {batch}: "
-              f"{type(e).__name__}: {e}")
+        print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}, num_scheduler_steps="
+              f"{num_scheduler_steps}) failed at batch {batch}: {type(e).__name__}: {e}")
         return None
 
 

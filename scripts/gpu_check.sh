@@ -23,7 +23,7 @@ python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_gpu.py tests/tes
   | tee "$OUT/tests.txt" | tail -1 | tee -a "$OUT/summary.txt"
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 python3 bench/kernels_gpu.py 2>&1 | grep -v -i warn | tee "$OUT/kernels.txt" | tail -40
-python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --async-too 2>&1 | grep -v -i warn | tee "$OUT/decode.txt" | tail -6
+python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --async-too --multi-step 8 2>&1 | grep -v -i warn | tee "$OUT/decode.txt" | tail -6
 python3 bench/profile_decode_gpu.py --batches 1,16,64 --top 15 2>&1 | grep -v -i warn > "$OUT/profile.txt"
 grep "^== batch" "$OUT/profile.txt" | tee -a "$OUT/summary.txt"
 date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"

@@ -19,7 +19,7 @@ ENGINE_FLAGS = [
     "--model", "--tokenizer", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
     "--no-enable-chunked-prefill", "--num-gpu-blocks-override", "--kv-cache-memory", "--seed", "--device",
-    "--speculative-config", "--async-scheduling", "--enforce-eager",
+    "--speculative-config", "--async-scheduling", "--enforce-eager", "--num-scheduler-steps",
 ]
 SERVE_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--no-uvloop"]
 GENERATE_FLAGS = ["--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--ignore-eos"]
@@ -82,6 +82,8 @@ def test_bad_flag_is_one_line_naming_it(tmp_path):
         (["--speculative-config", '{"method": "ngram", "k": 2}'], "unknown key"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--temperature", "-1"], "temperature"),
+        (["--num-scheduler-steps", "0"], "num_scheduler_steps"),
+        (["--num-scheduler-steps", "4", "--async-scheduling"], "async_scheduling"),
     ],
 )
 def test_bad_values_are_one_line_without_traceback(kimi_ckpt, capsys, args, expect):
@@ -111,6 +113,9 @@ def test_flags_map_onto_engine_config(kimi_ckpt):
     assert not config.enable_prefix_caching and config.async_scheduling and config.enforce_eager
     assert config.speculative_config.method == "ngram" and config.num_speculative_tokens == 2
     assert config.max_num_batched_tokens == 2048  # untouched flags keep EngineConfig's defaults
+    assert config.num_scheduler_steps == 1
+    args = cli.build_parser().parse_args(["generate", "--model", kimi_ckpt, "--num-scheduler-steps", "8"])
+    assert cli.engine_config_from_args(args).num_scheduler_steps == 8
 
 
 @pytest.mark.parametrize("text, size", [("1024", 1024), ("512M", 512 << 20), ("2G", 2 << 30), ("1.5GiB", 3 << 29)])

@@ -135,6 +135,11 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks allocate_slots(request, num_new_tokens) would take (no prefix hits)."""
+        need_tokens = request.num_computed_tokens + num_new_tokens
+        return max(-(-need_tokens // self.block_size) - len(request.block_ids), 0)
+
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> list[int] | None:
         """Make the request's blocks cover its computed + new tokens; the new block ids, or None."""
         need_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens

@@ -153,10 +153,39 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         budget = self.config.max_num_batched_tokens
+        out.num_steps = self._decode_steps()
         budget = self._schedule_running(out, budget)
-        if not out.preempted_req_ids:
+        if not out.preempted_req_ids and out.num_steps == 1:
             self._schedule_waiting(out, budget)
         return out
+
+    def _decode_steps(self) -> int:
+        """Multi-step decoding: how many decode steps this round runs (1: an ordinary step).
+
+        More than one only when every running request is a plain decode, nobody
+        waits who could be admitted, no request would pass its max_tokens or
+        max_model_len within the steps, and the blocks for all of them are free
+        (so nobody is preempted for them). Requests that stop early (EOS, stop
+        strings) just have the tokens after their stop dropped by update().
+        """
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or not self.running:
+            return 1
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return 1  # admit first: a prefill mixes with ordinary decode steps
+        for request in self.running:
+            if request.status != RequestStatus.RUNNING or request.num_pending_tokens or request.spec_token_ids:
+                return 1
+            if request.num_tokens - request.num_computed_tokens != 1:
+                return 1  # still prefilling
+            steps = min(steps, self.config.max_model_len - request.num_tokens)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                steps = min(steps, max_tokens - request.num_output_tokens)
+            if steps <= 1:
+                return 1
+        needed = sum(self.kv.num_new_blocks(request, steps) for request in self.running)
+        return steps if needed <= self.kv.num_free_blocks else 1
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         known = request.num_tokens + request.num_pending_tokens
@@ -188,7 +217,8 @@ class Scheduler:
             if n <= 0:
                 continue
             drafts = self._drafts_for(request, n, budget)
-            while self.kv.allocate_slots(request, n + len(drafts) + lookahead) is None:
+            ahead = lookahead + out.num_steps - 1  # positions written before the next round
+            while self.kv.allocate_slots(request, n + len(drafts) + ahead) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
@@ -252,8 +282,9 @@ class Scheduler:
                 state_out_slot=base,
             )
         )
-        # Drafts count as computed now; update() takes back the rejected ones.
-        request.num_computed_tokens += n + len(drafts)
+        # Drafts count as computed now; update() takes back the rejected ones. A multi-step
+        # round computes its num_steps - 1 further tokens too (the last one sampled is not).
+        request.num_computed_tokens += n + len(drafts) + out.num_steps - 1
         request.num_pending_tokens += int(sample)
         request.state_offset = 0
 

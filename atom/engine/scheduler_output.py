@@ -47,6 +47,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # runner may drop their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Multi-step decoding: every scheduled row is one decode token, and the runner runs this
+    # many steps, feeding each sampled token back in; blocks for all of them are allocated.
+    num_steps: int = 1
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -7,7 +7,7 @@ It never decides policy and never touches scheduler objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -93,6 +93,8 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
+        if sched.num_steps > 1:
+            return self._execute_steps(sched)
         rows = sched.scheduled
         hidden, starts = self._forward(rows)
         out = RunnerOutput()
@@ -101,6 +103,25 @@ class ModelRunner:
         self._verify(rows, starts, hidden, out)
         if self.drafter is not None and out.sampled:
             self._propose(rows, starts, hidden, out)
+        return out
+
+    def _execute_steps(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Multi-step decoding: ``sched.num_steps`` decode steps, each row's next input being the
+        token it just sampled (its blocks are allocated for all of them). Sampling runs per
+        step exactly as in single steps (seeds, penalties, logprobs), so the tokens are the same."""
+        rows = sched.scheduled
+        out = RunnerOutput()
+        for _ in range(sched.num_steps):
+            hidden, starts = self._forward(rows)
+            step = RunnerOutput()
+            self._sample(rows, starts, hidden, step)
+            for s in rows:
+                out.sampled.setdefault(s.request_id, []).extend(step.sampled[s.request_id])
+                if s.request_id in step.logprobs:
+                    out.logprobs.setdefault(s.request_id, []).extend(step.logprobs[s.request_id])
+            # the state after this token now sits in the out slot
+            rows = [replace(s, token_ids=step.sampled[s.request_id], context_len=s.context_len + 1,
+                            state_slot=s.state_out_slot) for s in rows]  # fmt: skip
         return out
 
     def _forward(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
