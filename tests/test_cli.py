@@ -114,7 +114,7 @@ def test_flags_map_onto_engine_config(kimi_ckpt):
     assert config.speculative_config.method == "ngram" and config.num_speculative_tokens == 2
     assert config.max_num_batched_tokens == 2048  # untouched flags keep EngineConfig's defaults
     assert config.num_scheduler_steps == 1
-    args = cli.build_parser().parse_args(["generate", "--model", kimi_ckpt, "--num-scheduler-steps", "8"])
+    args = cli.build_parser().parse_args(["serve", "--model", kimi_ckpt, "--num-scheduler-steps", "8"])
     assert cli.engine_config_from_args(args).num_scheduler_steps == 8
 
 
