@@ -71,3 +71,47 @@ def test_static_buffer_forward_matches_eager(tmp_path, kernel_shaped_layers, var
     assert _generate(llm) == eager
     assert graphs.launched and max(graphs.launched) == 4
     assert llm.engine.all_resources_free()
+
+
+def test_device_side_multi_step_rounds_match_single_steps(kimi_ckpt, kernel_shaped_layers):
+    """Multi-step rounds through the static buffers, advanced between steps by tensor ops alone
+    (``advance_decode_buffers``, as on the GPU), give the single-step tokens."""
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    eager = _generate(LLM(kimi_ckpt, **kwargs))
+    llm = LLM(kimi_ckpt, num_scheduler_steps=4, **kwargs)
+    runner = llm.engine.runner
+    graphs = EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device)
+    runner.decode_graphs = graphs
+    rounds = []
+    inner = graphs.replay_steps
+    graphs.replay_steps = lambda *args: rounds.append(args[2]) or inner(*args)
+    assert _generate(llm) == eager
+    assert rounds and max(rounds) == 4  # the device-side path ran, with full rounds
+    assert llm.engine.all_resources_free()
+
+
+def test_advance_equals_refilling_the_buffers(kimi_ckpt):
+    """One step on, in place (advance_decode_buffers) == filling the buffers for the next step."""
+    from dataclasses import replace
+
+    from atom.engine.scheduler_output import ScheduledRequest
+    from atom.worker.cuda_graph import advance_decode_buffers, fill_decode_buffers
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, block_size = (1, 2, 4, 8), 4
+    rows = []
+    for i in range(5):
+        context = int(torch.randint(0, 30, (), generator=gen))
+        blocks = torch.randperm(64, generator=gen)[: context // block_size + 2].tolist()
+        slot = -1 if i == 3 else 2 * i  # row 3: a model without recurrent state
+        rows.append(ScheduledRequest(f"r{i}", [int(torch.randint(3, 99, (), generator=gen))], context, blocks,
+                                     slot + (i % 2 if slot >= 0 else 0), True, state_out_slot=slot))
+    buffers, tables = torch.zeros(7, 8, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long)
+    fill_decode_buffers(buffers, tables, [s.token_ids[0] for s in rows], rows, sizes, block_size)
+    next_ids = torch.tensor([11, 12, 13, 14, 15])
+    advance_decode_buffers(buffers, tables, next_ids, block_size)
+    moved = [replace(s, token_ids=[int(t)], context_len=s.context_len + 1, state_slot=s.state_out_slot)
+             for s, t in zip(rows, next_ids)]
+    want_buffers, want_tables = torch.zeros(7, 8, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long)
+    fill_decode_buffers(want_buffers, want_tables, next_ids.tolist(), moved, sizes, block_size)
+    assert torch.equal(buffers, want_buffers) and torch.equal(tables, want_tables)

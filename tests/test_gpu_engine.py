@@ -105,6 +105,25 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
     assert graphs == eager == cpu
 
 
+def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypatch):
+    """--num-scheduler-steps on the GPU: rounds of graph replays chained on the device."""
+    from atom.worker.cuda_graph import DecodeGraphs
+
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    cpu = _generate(path)
+    rounds: list[int] = []
+    inner = DecodeGraphs.replay_steps
+
+    def counting(self, input_ids, rows, num_steps, next_tokens):
+        rounds.append(num_steps)
+        return inner(self, input_ids, rows, num_steps, next_tokens)
+
+    monkeypatch.setattr(DecodeGraphs, "replay_steps", counting)
+    multi = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4)
+    assert rounds and max(rounds) == 4
+    assert multi == cpu
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_gpu_grouped_moe_matches_expert_loop_in_bf16(tokens):
     """What bf16 MoE layers run on the GPU (grouped matmuls) against the expert loop, on the same GPU."""

@@ -33,6 +33,7 @@ the kernel reads each row's length from ``seq_lens``), MoE its dense path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -123,29 +124,69 @@ class DecodeGraphs:
     def replay(self, input_ids: list[int], rows: list[ScheduledRequest]) -> torch.Tensor:
         """Hidden states [n, D] of the step's n rows (a view into the graph's output buffer,
         valid until the next replay)."""
+        size = fill_decode_buffers(self.rows, self.tables, input_ids, rows, self.sizes, self.block_size)
+        return self._launch(size)[: len(rows)]
+
+    def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
+                     next_tokens: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """Multi-step decoding on the device: ``num_steps`` replays back to back, each row's next
+        input being ``next_tokens(hidden)`` of the replay before (e.g. lm_head + argmax), with
+        positions, slots and lengths advanced on the device: no host sync between steps.
+        Returns the tokens, int64 [num_steps, n] on the device."""
         n = len(rows)
-        size = next(s for s in self.sizes if s >= n)
-        pad = size - n
-        host = [
-            input_ids + [0] * pad,
-            [s.context_len for s in rows] + [0] * pad,
-            [_slot(s, self.block_size) for s in rows] + [-1] * pad,
-            [s.state_slot for s in rows] + [-1] * pad,
-            [s.state_out_slot for s in rows] + [-1] * pad,
-            [int(s.context_len > 0) for s in rows] + [0] * pad,
-            [s.context_len + 1 for s in rows] + [0] * pad,
-        ]
-        self.rows[:, :size].copy_(torch.tensor(host, dtype=torch.long))
-        width = max(len(s.block_ids) for s in rows)
-        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in rows]
-        self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.long))
-        return self._launch(size)[:n]
+        size = fill_decode_buffers(self.rows, self.tables, input_ids, rows, self.sizes, self.block_size)
+        tokens = torch.empty(num_steps, n, dtype=torch.long, device=self.device)
+        for step in range(num_steps):
+            if step:
+                advance_decode_buffers(self.rows, self.tables, tokens[step - 1], self.block_size)
+            tokens[step] = next_tokens(self._launch(size)[:n])
+        return tokens
 
     def _launch(self, size: int) -> torch.Tensor:
         """Replays the graph of this size over the static buffers; its output buffer [size, D]."""
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden
+
+
+def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, input_ids: list[int],
+                        rows: list[ScheduledRequest], sizes: tuple[int, ...], block_size: int) -> int:  # fmt: skip
+    """Writes a decode step's n rows into the static buffers (columns n.. up to the graph
+    size as padding); the graph size to replay."""
+    n = len(rows)
+    size = next(s for s in sizes if s >= n)
+    pad = size - n
+    host = [
+        input_ids + [0] * pad,
+        [s.context_len for s in rows] + [0] * pad,
+        [_slot(s, block_size) for s in rows] + [-1] * pad,
+        [s.state_slot for s in rows] + [-1] * pad,
+        [s.state_out_slot for s in rows] + [-1] * pad,
+        [int(s.context_len > 0) for s in rows] + [0] * pad,
+        [s.context_len + 1 for s in rows] + [0] * pad,
+    ]
+    buffers[:, :size].copy_(torch.tensor(host, dtype=torch.long))
+    width = max(len(s.block_ids) for s in rows)
+    table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in rows]
+    tables[:n, :width].copy_(torch.tensor(table, dtype=torch.long))
+    return size
+
+
+def advance_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, next_ids: torch.Tensor,
+                           block_size: int) -> None:  # fmt: skip
+    """The buffers of rows [:n] (n = len(next_ids)) moved one decode step on, in place on the
+    device: input next_ids, position and length + 1, the state read from where the last step
+    wrote it, the cache slot of the new position from the block table."""
+    n = next_ids.shape[0]
+    cols = buffers[:, :n]
+    cols[INPUT_IDS] = next_ids
+    cols[POSITIONS] += 1
+    cols[SEQ_LENS] += 1
+    cols[HAS_INITIAL_STATE] = 1
+    cols[STATE_SLOTS] = cols[STATE_OUT_SLOTS]
+    pos = cols[POSITIONS]
+    block = tables[:n].gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+    cols[SLOT_MAPPING] = block * block_size + pos % block_size
 
 
 def _slot(s: ScheduledRequest, block_size: int) -> int:
