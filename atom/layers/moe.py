@@ -141,9 +141,10 @@ class RoutedExperts(nn.ModuleList):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add)."""
-        if kernels_apply(x) and grouped_mm_applies(x):
+        on_gpu = kernels_apply(x)
+        if on_gpu and grouped_mm_applies(x):
             return self.forward_grouped(x, weights, ids, addend)
-        if x.shape[0] <= DENSE_MAX_TOKENS and kernels_apply(x):
+        if on_gpu and x.shape[0] <= DENSE_MAX_TOKENS:
             out = self._forward_dense(x, weights, ids)
         else:
             out = self._forward_loop(x, weights, ids)

@@ -5,13 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.ops.cuda.fused import rms_norm
-
-
-def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 x * rsqrt(mean(x^2) + eps) over the last dim."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from atom.ops.cuda.fused import rms_norm, rms_normalize
 
 
 class RMSNorm(nn.Module):
@@ -35,5 +29,5 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        out = self.weight.float() * _rms_normalize(x, self.eps)
+        out = self.weight.float() * rms_normalize(x, self.eps)
         return (out * torch.sigmoid(gate.float())).to(x.dtype)

@@ -32,10 +32,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # -- rms_norm -----------------------------------------------------------------------
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 x * rsqrt(mean(x^2) + eps) over the last dim (every RMS norm's reference)."""
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * rms_normalize(x, eps).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

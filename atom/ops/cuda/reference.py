@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.ops.cuda.fused import rms_normalize
 from atom.ops.kda import kda_recurrent, kda_recurrent_states, l2norm
 
 
@@ -158,9 +159,7 @@ def conv1d_update_ref(
 
 def gated_rmsnorm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(weight * (x * rsqrt(mean(x^2) + eps))) * sigmoid(gate), fp32 inside, in x's dtype."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)
+    return (weight.float() * rms_normalize(x, eps) * torch.sigmoid(gate.float())).to(x.dtype)
 
 
 def mla_decode_ref(
