@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,8 +91,22 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
     for e in events[:top]:
         print(f"   {e.self_device_time_total / 10:9.1f} us {e.self_device_time_total / total:6.1%} "
               f"x{e.count // 10:<4d} {e.key[:90]}")  # fmt: skip
+    _print_gaps(prof, top)
     del llm
     torch.cuda.empty_cache()
+
+
+def _print_gaps(prof, top: int) -> None:
+    """Idle device time between consecutive kernels of the last replay, and the largest gaps by neighbours."""
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per_replay = len(kernels) // 10
+    last = kernels[-per_replay:]
+    span = last[-1].time_range.end - last[0].time_range.start
+    gaps = [(b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(last, last[1:])]
+    idle = sum(max(g, 0.0) for g, _, _ in gaps)
+    print(f"   last replay: span {span:.1f} us, idle between kernels {idle:.1f} us over {len(gaps)} gaps")
+    for gap, before, after in sorted(gaps, reverse=True)[: max(top // 2, 3)]:
+        print(f"   gap {gap:7.1f} us after {before[:60]} -> before {after[:60]}")
 
 
 def main() -> None:

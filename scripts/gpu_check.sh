@@ -4,8 +4,9 @@
 # Logs go to $OUT (default ./gpu_check_out). Optional wheels (e.g. fla) in .whl/
 # are installed to /tmp/site first, as the device notes describe.
 #
-#   bash scripts/gpu_check.sh            # all of it (~5 minutes on an H200)
-#   SKIP_BENCH=1 bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh            # all of it (each stage has a time limit; ENGINE_LIMIT etc. override)
+#   SKIP_BENCH=1 bash scripts/gpu_check.sh      # build and tests only
+#   WITH_KERNEL_BENCH=1 bash scripts/gpu_check.sh  # also bench/kernels_gpu.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -17,13 +18,22 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 date -u +"start %Y-%m-%d %H:%M:%S UTC" | tee "$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
-python3 setup.py build_ext --inplace -j 16 > "$OUT/build.txt" 2>&1 || { tail -40 "$OUT/build.txt"; exit 1; }
-python3 -m pytest -q -p no:cacheprovider -rs tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py \
-  tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_build.py 2>&1 \
-  | tee "$OUT/tests.txt" | tail -1 | tee -a "$OUT/summary.txt"
+# Each stage runs under its own time limit, so one stuck stage cannot eat the whole device call.
+stage() {  # stage NAME LIMIT_S CMD...: run CMD, log to $OUT/NAME.txt, note its status and seconds
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - t0)) s (limit $limit); $(grep -v -i warn "$OUT/$name.txt" | tail -1)" | tee -a "$OUT/summary.txt"
+  return $rc
+}
+stage build 240 python3 setup.py build_ext --inplace -j 16 || { tail -40 "$OUT/build.txt"; exit 1; }
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_build.py
 [ -n "${SKIP_BENCH:-}" ] && exit 0
-python3 bench/kernels_gpu.py 2>&1 | grep -v -i warn | tee "$OUT/kernels.txt" | tail -40
-python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --async-too --multi-step 8 2>&1 | grep -v -i warn | tee "$OUT/decode.txt" | tail -6
-python3 bench/profile_decode_gpu.py --batches 1,16,64 --top 15 2>&1 | grep -v -i warn > "$OUT/profile.txt"
-grep "^== batch" "$OUT/profile.txt" | tee -a "$OUT/summary.txt"
+stage decode ${DECODE_LIMIT:-200} python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --multi-step 8
+tail -8 "$OUT/decode.txt"
+stage profile ${PROFILE_LIMIT:-150} python3 bench/profile_decode_gpu.py --batches 1,64 --top 16
+grep -E "^== batch|last replay|gap " "$OUT/profile.txt" | tee -a "$OUT/summary.txt"
+stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py
+[ -n "${WITH_KERNEL_BENCH:-}" ] && stage kernels 200 python3 bench/kernels_gpu.py && tail -40 "$OUT/kernels.txt"
 date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"

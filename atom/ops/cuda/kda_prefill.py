@@ -9,8 +9,10 @@ Two implementations of the same contract (``kda_prefill``):
 definitions match ours (g: per-channel log-decay; beta: after the sigmoid;
 q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by K^-0.5; state
 [K, V] fp32), so only the slot gather/scatter is ours on that path. ``auto``
-takes fla for bf16/fp16 inputs where it is importable (``AUTO_PICKS_FLA``: it
-measured 2.6-6.5x faster than ours on an H200) and ours otherwise; fp32
+takes fla for bf16/fp16 inputs at the head size it was measured at (K = V =
+128, Kimi-Linear's) where it is importable (``AUTO_PICKS_FLA``: it measured
+2.6-6.5x faster than ours on an H200) and ours otherwise (Triton autotunes
+fla's kernels afresh for every head size, which took minutes per shape); fp32
 inputs always take ours, which meets the 1e-5 fp32 tolerance (fla's Triton
 matmuls round to bf16/tf32: 4.4e-3 from ours on bf16 inputs). The fla path
 gathers/scatters the slots around ``chunk_kda`` and does not take padding
@@ -32,6 +34,7 @@ BACKENDS = ("auto", "atom", "fla")
 # H200, bf16, H=32, K=V=128 (GPU_NOTES.md, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 1.7 / 2.5 ms
 # vs ours 8.3 / 11.0 / 6.6 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 2.6-6.5x faster.
 AUTO_PICKS_FLA = True
+FLA_HEAD_DIMS = (128, 128)  # (K, V) where that was measured
 
 
 @functools.cache
@@ -46,8 +49,8 @@ def fla_available() -> bool:
     return True
 
 
-def prefill_backend(dtype: torch.dtype) -> str:
-    """'atom' or 'fla': which implementation ``kda_prefill`` runs for inputs of ``dtype``."""
+def prefill_backend(dtype: torch.dtype, key_dim: int = 128, value_dim: int = 128) -> str:
+    """'atom' or 'fla': which implementation ``kda_prefill`` runs for inputs of ``dtype`` and head size K x V."""
     choice = os.environ.get("ATOM_KDA_PREFILL", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"ATOM_KDA_PREFILL must be one of {', '.join(BACKENDS)}, got {choice!r}")
@@ -55,7 +58,8 @@ def prefill_backend(dtype: torch.dtype) -> str:
         raise RuntimeError("ATOM_KDA_PREFILL=fla needs flash-linear-attention (`pip install flash-linear-attention`); "
                            "or set ATOM_KDA_PREFILL=atom")
     if choice == "auto":
-        return "fla" if AUTO_PICKS_FLA and fla_available() and dtype != torch.float32 else "atom"
+        takes_fla = dtype != torch.float32 and (key_dim, value_dim) == FLA_HEAD_DIMS
+        return "fla" if AUTO_PICKS_FLA and takes_fla and fla_available() else "atom"
     return choice
 
 
@@ -108,7 +112,7 @@ def kda_prefill(
         return ref if out is None else out.copy_(ref)
     ins = state_slots.reshape(num_seqs).to(dtype=torch.int64).contiguous()
     outs = ins if out_slots is None else out_slots.reshape(num_seqs).to(dtype=torch.int64).contiguous()
-    if (backend or prefill_backend(v.dtype)) == "fla" and eps == 1e-6:
+    if (backend or prefill_backend(v.dtype, key_dim, value_dim)) == "fla" and eps == 1e-6:
         o = _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initial_state, scale)
         return o if out is None else out.copy_(o)
 
