@@ -110,9 +110,10 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-    run(2)  # warm-up
-    t1 = timed(lambda: run(1))
-    tn = timed(lambda: run(1 + new_tokens))
+    run(1 + new_tokens)  # warm-up, multi-step rounds included
+    # decode time = run with new_tokens more tokens minus the prefill-only run; median of 3
+    t1 = sorted(timed(lambda: run(1)) for _ in range(3))[1]
+    tn = sorted(timed(lambda: run(1 + new_tokens)) for _ in range(3))[1]
     del llm
     torch.cuda.empty_cache()
     return batch * new_tokens / (tn - t1)

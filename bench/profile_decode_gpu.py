@@ -64,6 +64,7 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
     graphs = runner.decode_graphs
     size = next(s for s in graphs.sizes if s >= batch)
     replay = _ms_per_call(lambda: graphs._launch(size))
+    enqueue, device_ms = _replay_split(graphs, size)
     hidden = graphs._launch(size)[:batch]
     with torch.inference_mode():
         sample = _ms_per_call(lambda: runner.model.compute_logits(hidden).argmax(dim=-1).tolist())
@@ -75,8 +76,10 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
           f"async scheduling {overlapped:.3f} ms ({batch / overlapped * 1e3:.0f} tok/s); "
           f"graph replay {replay:.3f} ms, lm_head+argmax+tolist {sample:.3f} ms, rest (host) {host:.3f} ms",
           flush=True)  # fmt: skip
+    print(f"   one replay: host enqueue {enqueue:.3f} ms, device time between events {device_ms:.3f} ms")
 
     llm = LLM(path, **kwargs)
+    _step_ms(llm, prompts, new_tokens)  # the static buffers now hold a real step's rows (padding rows skip KDA/MLA)
     graphs = llm.engine.runner.decode_graphs
     graphs._launch(size)
     torch.cuda.synchronize()
@@ -92,8 +95,29 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
         print(f"   {e.self_device_time_total / 10:9.1f} us {e.self_device_time_total / total:6.1%} "
               f"x{e.count // 10:<4d} {e.key[:90]}")  # fmt: skip
     _print_gaps(prof, top)
+    module_times(llm, batch)
     del llm
     torch.cuda.empty_cache()
+
+
+def _replay_split(graphs, size: int, n: int = 50) -> tuple[float, float]:
+    """Host time to enqueue one replay (no sync), and the device time of one replay between CUDA events."""
+    graphs._launch(size)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        graphs._launch(size)
+    enqueue = (time.perf_counter() - t) / n * 1e3
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs._launch(size)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return enqueue, sorted(times)[len(times) // 2]
 
 
 def _print_gaps(prof, top: int) -> None:
@@ -104,9 +128,67 @@ def _print_gaps(prof, top: int) -> None:
     span = last[-1].time_range.end - last[0].time_range.start
     gaps = [(b.time_range.start - a.time_range.end, a.name, b.name) for a, b in zip(last, last[1:])]
     idle = sum(max(g, 0.0) for g, _, _ in gaps)
-    print(f"   last replay: span {span:.1f} us, idle between kernels {idle:.1f} us over {len(gaps)} gaps")
+    whole = kernels[-1].time_range.end - kernels[0].time_range.start
+    print(f"   last replay: span {span:.1f} us, idle between kernels {idle:.1f} us over {len(gaps)} gaps; "
+          f"10 replays span {whole / 10:.1f} us each")
     for gap, before, after in sorted(gaps, reverse=True)[: max(top // 2, 3)]:
         print(f"   gap {gap:7.1f} us after {before[:60]} -> before {after[:60]}")
+
+
+def module_times(llm, batch: int, depth: int = 3) -> None:
+    """Device time of each module inside one replayed decode graph, from timing events recorded as
+    graph nodes (external CUDA events) around every module down to ``depth`` under the layers;
+    unlike a profiler, this leaves the graph's execution as it is. Replays the static buffers'
+    current rows (run a real step first: padding rows skip the KDA and MLA work)."""
+    graphs = llm.engine.runner.decode_graphs
+    size = next(s for s in graphs.sizes if s >= batch)
+    model = llm.engine.runner.model
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+    hooks = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if "layers" not in parts or parts[-1] == "layers" or len(parts) - parts.index("layers") - 1 > depth:
+            continue
+        start, end = torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True)
+        marks.append((name, start, end))
+        hooks.append(module.register_forward_pre_hook(lambda m, a, e=start: e.record()))
+        hooks.append(module.register_forward_hook(lambda m, a, o, e=end: e.record()))
+    first, last = torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode():
+        graphs._forward(size)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            first.record()
+            graphs._forward(size)
+            last.record()
+    for h in hooks:
+        h.remove()
+    samples: dict[str, list[float]] = {}
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        samples.setdefault("(whole forward)", []).append(first.elapsed_time(last) * 1e3)
+        for name, start, end in marks:
+            try:
+                us = start.elapsed_time(end) * 1e3
+            except (RuntimeError, ValueError):  # a module the decode forward never calls: no events
+                continue
+            samples.setdefault(name, []).append(us)
+    median = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+    print(f"   module device times (graph size {size}), median of 20 replays, us")
+    by_kind: dict[str, float] = {}
+    for name, us in median.items():
+        parts = name.split(".")
+        if "layers" in parts:
+            kind = ".".join(parts[parts.index("layers") + 2 :]) + f" [{type(model.get_submodule(name)).__name__}]"
+            by_kind[kind] = by_kind.get(kind, 0.0) + us
+    print(f"   {median['(whole forward)']:9.1f}  (whole forward)")
+    for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"   {us:9.1f}  {kind} (summed over layers)")
+    for name, us in median.items():
+        if name.split(".")[-2:-1] == ["layers"]:  # each decoder layer as a whole
+            print(f"   {us:9.1f}  {name}")
 
 
 def main() -> None:

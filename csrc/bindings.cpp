@@ -152,12 +152,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "rms_norm",
-      [](uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t dim,
-         double eps, int dtype, uintptr_t stream) {
-        check(atom::rms_norm(x, x_stride, weight, out, out_stride, rows, dim, eps, dtype, stream));
+      [](uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t residual_stride, uintptr_t sum, int64_t sum_stride,
+         uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t dim, double eps, int dtype,
+         uintptr_t stream) {
+        check(atom::rms_norm(x, x_stride, residual, residual_stride, sum, sum_stride, weight, out, out_stride, rows,
+                             dim, eps, dtype, stream));
       },
-      "out = weight * round(rmsnorm(x))", py::arg("x"), py::arg("x_stride"), py::arg("weight"), py::arg("out"),
-      py::arg("out_stride"), py::arg("rows"), py::arg("dim"), py::arg("eps"), py::arg("dtype"), py::arg("stream"));
+      "out = weight * round(rmsnorm(x)), x first sum = round(x + residual) if a residual is given", py::arg("x"),
+      py::arg("x_stride"), py::arg("residual"), py::arg("residual_stride"), py::arg("sum"), py::arg("sum_stride"),
+      py::arg("weight"), py::arg("out"), py::arg("out_stride"), py::arg("rows"), py::arg("dim"), py::arg("eps"),
+      py::arg("dtype"), py::arg("stream"));
 
   m.def(
       "silu_mul",
@@ -176,6 +180,15 @@ PYBIND11_MODULE(_C, m) {
       "KDA log-decay g and beta from the gate projections", py::arg("f"), py::arg("f_stride"), py::arg("dt_bias"),
       py::arg("a_log"), py::arg("b"), py::arg("b_stride"), py::arg("g"), py::arg("beta"), py::arg("tokens"),
       py::arg("heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
+      "router_logits",
+      [](uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens, int64_t experts,
+         int64_t dim, int dtype, uintptr_t stream) {
+        check(atom::router_logits(x, x_stride, weight, logits, tokens, experts, dim, dtype, stream));
+      },
+      "fp32 router logits = x W^T", py::arg("x"), py::arg("x_stride"), py::arg("weight"), py::arg("logits"),
+      py::arg("tokens"), py::arg("experts"), py::arg("dim"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
       "moe_route",

@@ -43,12 +43,13 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
   if (c >= p.channels) return;
   const T* x = static_cast<const T*>(p.x);
   T* out = static_cast<T*>(p.out);
-  const int64_t slot0 = p.in_slots[b];
+  // the per-sequence values are loaded together, not one after another's use
+  const int64_t slot0 = p.in_slots[b], out_base = p.out_slots[b];
+  const bool init = p.has_initial_state == nullptr || p.has_initial_state[b] != 0;
   if (slot0 < 0) {
     for (int t = 0; t < p.tokens; ++t) out[(b * p.tokens + t) * p.channels + c] = from_float<T>(0.f);
     return;
   }
-  const bool init = p.has_initial_state == nullptr || p.has_initial_state[b] != 0;
   T* state = static_cast<T*>(p.state);
 
   float win[W - 1], wt[W];
@@ -72,9 +73,8 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
     for (int w = 0; w + 1 < W - 1; ++w) win[w] = win[w + 1];
     win[W - 2] = xt;
     if (p.per_token || t == p.tokens - 1) {
-      const int64_t base = p.out_slots[b];
-      const int64_t dst_slot = base + (p.per_token ? t : 0);
-      if (base >= 0) {
+      const int64_t dst_slot = out_base + (p.per_token ? t : 0);
+      if (out_base >= 0) {
         T* dst = state + dst_slot * p.slot_stride + c * (W - 1);
 #pragma unroll
         for (int w = 0; w < W - 1; ++w) dst[w] = from_float<T>(win[w]);

@@ -4,9 +4,10 @@
 // rounds to the model dtype exactly where its torch reference does (see
 // atom/ops/cuda/reference.py), so the fp32 results agree to rounding order.
 //
-//   rms_norm     out = weight * round(x * rsqrt(mean(x^2) + eps))
+//   rms_norm     out = weight * round(x * rsqrt(mean(x^2) + eps)), x optionally round(x + residual) first
 //   silu_mul     out = round(silu(gate)) * up, gate | up halves of one row
 //   kda_gate     g = -exp(A_log[h]) * softplus(f + dt_bias) and beta = round(sigmoid(b))
+//   router_logits  logits = x W^T in fp32 (x in the model dtype, W fp32): the router's matmul at decode sizes
 //   moe_route    sigmoid scores, top-k on score + bias, weights renormalised and scaled
 //   moe_align    (token, pick) pairs grouped by expert: positions and group ends
 //   moe_combine  out = round(sum_j w_j * y[pos_j]) (+ addend), summed in pick order
@@ -17,6 +18,7 @@ namespace {
 
 constexpr int kRowsPerBlock = 8;  // one 32-thread group per row
 constexpr int kThreads = 256;
+constexpr int64_t kRouterMaxDim = 12288;
 
 // ---- rms_norm ---------------------------------------------------------------------------------------------------
 
@@ -33,20 +35,69 @@ __device__ float block_sum(float v) {
 }
 
 // One block per row: at decode sizes there are few rows, and a row's loads
-// must be spread over many threads to hide their latency.
-template <typename T>
+// must be spread over many threads to hide their latency. With a residual r,
+// the row is first s = round(x + r) (written to sum), then normalised: the
+// residual add of the layer before, fused.
+//
+// kPer > 0: the row sits in registers, kPer elements a thread (dim <= kPer *
+// blockDim): every load is issued before the first is used, so a row costs a
+// few memory latencies, not one per element. kPer == 0: any dim, in loops.
+template <typename T, int kPer>
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(const T* x, int64_t x_stride, const T* weight, T* out, int64_t out_stride, int dim, float eps) {
-  const T* xr = x + blockIdx.x * x_stride;
+    rms_norm_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ residual, int64_t residual_stride,
+                    T* __restrict__ sum, int64_t sum_stride, const T* __restrict__ weight, T* __restrict__ out,
+                    int64_t out_stride, int dim, float eps) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  const T* rr = residual == nullptr ? nullptr : residual + row * residual_stride;
+  T* sr = sum == nullptr ? nullptr : sum + row * sum_stride;
+  T* o = out + row * out_stride;
   float ss = 0.f;
-  for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-    const float v = to_float(xr[d]);
-    ss = fmaf(v, v, ss);
+  if constexpr (kPer > 0) {
+    float v[kPer], w[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = threadIdx.x + i * blockDim.x;
+      v[i] = d < dim ? to_float(xr[d]) : 0.f;
+      w[i] = d < dim ? to_float(weight[d]) : 0.f;
+    }
+    if (rr != nullptr) {
+      float r[kPer];
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int d = threadIdx.x + i * blockDim.x;
+        r[i] = d < dim ? to_float(rr[d]) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int d = threadIdx.x + i * blockDim.x;
+        v[i] = round_to<T>(v[i] + r[i]);
+        if (d < dim) sr[d] = from_float<T>(v[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) ss = fmaf(v[i], v[i], ss);
+    const float inv = rsqrtf(block_sum(ss) / dim + eps);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int d = threadIdx.x + i * blockDim.x;
+      if (d < dim) o[d] = from_float<T>(w[i] * round_to<T>(v[i] * inv));
+    }
+  } else {
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+      float v = to_float(xr[d]);
+      if (rr != nullptr) {
+        v = round_to<T>(v + to_float(rr[d]));
+        sr[d] = from_float<T>(v);
+      }
+      ss = fmaf(v, v, ss);
+    }
+    const float inv = rsqrtf(block_sum(ss) / dim + eps);
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+      const float v = rr != nullptr ? to_float(sr[d]) : to_float(xr[d]);  // sr[d]: this thread's own store
+      o[d] = from_float<T>(to_float(weight[d]) * round_to<T>(v * inv));
+    }
   }
-  const float inv = rsqrtf(block_sum(ss) / dim + eps);
-  T* o = out + blockIdx.x * out_stride;
-  for (int d = threadIdx.x; d < dim; d += blockDim.x)
-    o[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(xr[d]) * inv));
 }
 
 // ---- silu_mul ---------------------------------------------------------------------------------------------------
@@ -82,6 +133,45 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
       const float v = to_float(b[t * b_stride + h]);
       beta[j] = round_to<T>(1.f / (1.f + expf(-v)));
     }
+  }
+}
+
+// ---- router_logits ----------------------------------------------------------------------------------------------
+
+// One block per token: the row staged once in shared memory as fp32, then each
+// 32-thread group takes experts in turn, reading the fp32 weight row with
+// 16-byte loads where it can (vec: dim % 4 == 0 and a 16-byte aligned w).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    router_logits_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
+                         float* __restrict__ logits, int experts, int dim, bool vec) {
+  extern __shared__ float row[];  // dim
+  const int64_t t = blockIdx.x;
+  const T* xr = x + t * x_stride;
+#pragma unroll 4
+  for (int d = threadIdx.x; d < dim; d += blockDim.x) row[d] = to_float(xr[d]);
+  __syncthreads();
+  const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup, groups = blockDim.x / kGroup;
+  for (int e = group; e < experts; e += groups) {
+    const float* we = w + static_cast<int64_t>(e) * dim;
+    float acc = 0.f;
+    if (vec) {
+      const float4* w4 = reinterpret_cast<const float4*>(we);
+      const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll 6
+      for (int i = lane; i < dim / 4; i += kGroup) {
+        const float4 a = r4[i], b = w4[i];
+        acc = fmaf(a.x, b.x, acc);
+        acc = fmaf(a.y, b.y, acc);
+        acc = fmaf(a.z, b.z, acc);
+        acc = fmaf(a.w, b.w, acc);
+      }
+    } else {
+#pragma unroll 8
+      for (int d = lane; d < dim; d += kGroup) acc = fmaf(row[d], we[d], acc);
+    }
+    acc = group_sum(acc);
+    if (lane == 0) logits[t * experts + e] = acc;
   }
 }
 
@@ -235,17 +325,28 @@ unsigned elementwise_blocks(int64_t n) {
 
 }  // namespace
 
-const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows,
-                     int64_t dim, double eps, int dtype, uintptr_t stream) {
+const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t residual_stride, uintptr_t sum,
+                     int64_t sum_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t dim,
+                     double eps, int dtype, uintptr_t stream) {
   if (rows < 0 || dim < 1 || dim > INT32_MAX) return "rms_norm: needs rows >= 0 and dim >= 1";
+  if ((residual == 0) != (sum == 0)) return "rms_norm: a residual needs a sum output, and only then";
   if (rows == 0) return nullptr;
   if (rows > INT32_MAX) return "rms_norm: too many rows";
   const int threads = dim >= kThreads ? kThreads : static_cast<int>(ceil_div(dim, kGroup) * kGroup);
+  const int64_t per = ceil_div(dim, threads);
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "rms_norm", [&]() {
-    rms_norm_kernel<scalar_t><<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
-        reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const scalar_t*>(weight),
-        reinterpret_cast<scalar_t*>(out), out_stride, static_cast<int>(dim), static_cast<float>(eps));
-    return last_launch_error();
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
+          reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const scalar_t*>(residual),
+          residual_stride, reinterpret_cast<scalar_t*>(sum), sum_stride, reinterpret_cast<const scalar_t*>(weight),
+          reinterpret_cast<scalar_t*>(out), out_stride, static_cast<int>(dim), static_cast<float>(eps));
+      return last_launch_error();
+    };
+    if (per <= 1) return launch(rms_norm_kernel<scalar_t, 1>);
+    if (per <= 4) return launch(rms_norm_kernel<scalar_t, 4>);
+    if (per <= 8) return launch(rms_norm_kernel<scalar_t, 8>);
+    if (per <= 16) return launch(rms_norm_kernel<scalar_t, 16>);
+    return launch(rms_norm_kernel<scalar_t, 0>);
   });
 }
 
@@ -271,6 +372,20 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
         reinterpret_cast<const scalar_t*>(a_log), reinterpret_cast<const scalar_t*>(b), b_stride,
         reinterpret_cast<float*>(g), reinterpret_cast<float*>(beta), tokens, static_cast<int>(heads),
         static_cast<int>(head_dim));
+    return last_launch_error();
+  });
+}
+
+const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens,
+                          int64_t experts, int64_t dim, int dtype, uintptr_t stream) {
+  if (tokens < 0 || experts < 1 || dim < 1) return "router_logits: needs tokens >= 0, experts >= 1, dim >= 1";
+  if (dim > kRouterMaxDim) return "router_logits: dim above 12288 (the row is staged in 48 KB of shared memory)";
+  if (tokens == 0) return nullptr;
+  const bool vec = dim % 4 == 0 && weight % 16 == 0;
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "router_logits", [&]() {
+    router_logits_kernel<scalar_t><<<static_cast<unsigned>(tokens), kThreads, dim * sizeof(float), as_stream(stream)>>>(
+        reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
+        reinterpret_cast<float*>(logits), static_cast<int>(experts), static_cast<int>(dim), vec);
     return last_launch_error();
   });
 }

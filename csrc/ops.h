@@ -151,9 +151,11 @@ const char* write_latent_cache(uintptr_t cache, int64_t block_stride, int64_t ro
 // torch kernels and rounds where its reference does; atom/ops/cuda/fused.py).
 //
 // rms_norm: out = weight * round(x * rsqrt(mean(x^2) + eps)); x, out [rows,
-// dim] at row strides (elements), weight [dim], all `dtype`.
-const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows,
-                     int64_t dim, double eps, int dtype, uintptr_t stream);
+// dim] at row strides (elements), weight [dim], all `dtype`. With a residual
+// (0: none), x is first sum = round(x + residual), written to sum [rows, dim].
+const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t residual_stride, uintptr_t sum,
+                     int64_t sum_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t dim,
+                     double eps, int dtype, uintptr_t stream);
 
 // silu_mul: x [rows, 2 * width] = gate | up at row stride x_stride; out
 // [rows, width] = round(silu(gate)) * up at out_stride; `dtype`.
@@ -167,6 +169,11 @@ const char* silu_mul(uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_s
 const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t a_log, uintptr_t b, int64_t b_stride,
                      uintptr_t g, uintptr_t beta, int64_t tokens, int64_t heads, int64_t head_dim, int dtype,
                      uintptr_t stream);
+
+// router_logits: logits fp32 [tokens, experts] = x [tokens, dim] (row stride,
+// `dtype`) times weight fp32 [experts, dim]^T, summed in fp32. dim <= 12288.
+const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens,
+                          int64_t experts, int64_t dim, int dtype, uintptr_t stream);
 
 // moe_route: fp32 router logits [tokens, experts] (row stride), optional fp32
 // correction bias [experts] (0 = none). Scores sigmoid(logits); the top_k

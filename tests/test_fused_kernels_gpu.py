@@ -32,14 +32,30 @@ def _cpu_and_gpu(*tensors):
     return [t.cpu() for t in tensors], [t.cuda() for t in tensors]
 
 
+# dims for each register-staged kernel (1, 4, 8, 16 elements a thread) and the looping one (> 16 a thread)
+RMS_SHAPES = [(1, 2304), (7, 100), (64, 2304), (300, 33), (5, 1000), (3, 2048), (4, 5000), (2, 7168)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,dim", [(1, 2304), (7, 100), (64, 2304), (300, 33)])
+@pytest.mark.parametrize("rows,dim", RMS_SHAPES)
 def test_rms_norm(dtype, rows, dim):
     x = (torch.randn(rows, dim) * 3).to(dtype)
     w = (torch.rand(dim) + 0.5).to(dtype)
     _poison_allocator()
     out = fused.rms_norm(x.cuda(), w.cuda(), 1e-6)
     assert rel_err(out, fused.rms_norm_ref(x, w, 1e-6)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", RMS_SHAPES)
+def test_add_rms_norm(dtype, rows, dim):
+    """The residual add fused into the norm: the sum bit-equal to torch's add, the norm within tolerance."""
+    x, r = (torch.randn(rows, dim) * 3).to(dtype), torch.randn(rows, dim).to(dtype)
+    w = (torch.rand(dim) + 0.5).to(dtype)
+    _poison_allocator()
+    out, total = fused.add_rms_norm(x.cuda(), r.cuda(), w.cuda(), 1e-6)
+    assert torch.equal(total.cpu(), x + r)
+    assert rel_err(out, fused.rms_norm_ref(x + r, w, 1e-6)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,6 +66,17 @@ def test_rms_norm_strided_rows(dtype):
     _poison_allocator()
     out = fused.rms_norm(wide.cuda()[:, 10:106], w.cuda(), 1e-5)
     assert rel_err(out, fused.rms_norm_ref(wide[:, 10:106], w, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,dim", [(1, 16, 2304), (64, 16, 2304), (7, 5, 33), (3, 40, 1000)])
+def test_router_logits(dtype, tokens, experts, dim):
+    """x in the model dtype times the fp32 router weight, summed in fp32 (dim 33: the scalar-load path)."""
+    x, w = torch.randn(tokens, dim).to(dtype), torch.randn(experts, dim) * dim**-0.5
+    _poison_allocator()
+    out = fused.router_logits(x.cuda(), w.cuda())
+    assert out.dtype == torch.float32
+    assert rel_err(out, fused.router_logits_ref(x, w)) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -124,9 +124,11 @@ def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypat
     assert multi == cpu
 
 
+@pytest.mark.parametrize("path", ["dispatch", "grouped", "all_experts"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
-def test_gpu_grouped_moe_matches_expert_loop_in_bf16(tokens):
-    """What bf16 MoE layers run on the GPU (grouped matmuls) against the expert loop, on the same GPU."""
+def test_gpu_grouped_moe_matches_expert_loop_in_bf16(tokens, path):
+    """What bf16 MoE layers run on the GPU (grouped matmuls, or every expert in batched matmuls)
+    against the expert loop, on the same GPU."""
     from atom.layers.moe import RoutedExperts, grouped_mm_applies
 
     torch.manual_seed(tokens)
@@ -142,7 +144,10 @@ def test_gpu_grouped_moe_matches_expert_loop_in_bf16(tokens):
     if not grouped_mm_applies(x):
         pytest.skip("no bf16 grouped matmul on this GPU")
     with torch.no_grad():
-        grouped = experts(x, weights, ids)  # the dispatch picks the grouped path
+        if path == "dispatch":
+            grouped = experts(x, weights, ids)  # grouped or all-experts by the batch size
+        else:
+            grouped = getattr(experts, f"forward_{path}")(x, weights, ids)
         loop = torch.zeros_like(x)
         for e in range(16):  # the reference loop, written out
             token, slot = torch.where(ids == e)

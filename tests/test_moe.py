@@ -38,7 +38,7 @@ def _routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator, sk
 
 @pytest.mark.parametrize("tokens", [1, 3, 16, 64])
 @pytest.mark.parametrize("skew", [False, True])
-def test_grouped_and_dense_match_the_expert_loop(tokens: int, skew: bool) -> None:
+def test_grouped_dense_and_all_experts_match_the_expert_loop(tokens: int, skew: bool) -> None:
     experts = _experts(num_experts=8, hidden=48, inter=24, seed=tokens)
     gen = torch.Generator().manual_seed(100 + tokens)
     x = torch.randn(tokens, 48, generator=gen)
@@ -47,7 +47,10 @@ def test_grouped_and_dense_match_the_expert_loop(tokens: int, skew: bool) -> Non
         ref = experts(x, weights, ids)  # CPU: the loop
         grouped = experts.forward_grouped(x, weights, ids)
         dense = experts._forward_dense(x, weights, ids)
+        shared = torch.randn(tokens, 48, generator=gen)
+        all_experts = experts.forward_all_experts(x, weights, ids, addend=shared)
     assert ref.abs().max() > 0
+    torch.testing.assert_close(all_experts, ref + shared, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grouped, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dense, ref, rtol=1e-5, atol=1e-6)
 

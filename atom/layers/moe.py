@@ -24,6 +24,7 @@ Three ways to run the routed experts, all giving the same sums:
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +32,18 @@ from torch import nn
 
 from atom.layers.linear import StackedLinears
 from atom.ops.cuda import kernels_apply
-from atom.ops.cuda.fused import moe_align, moe_combine, moe_route, silu_mul
+from atom.ops.cuda.fused import moe_align, moe_combine, moe_route, router_logits, silu_mul
 
 # Batches up to this many tokens run every expert densely on a GPU (see _forward_dense).
 DENSE_MAX_TOKENS = 128
+# bf16 on Hopper: batches of at least this many tokens (and at most DENSE_MAX_TOKENS) run every
+# expert through one batched matmul per projection (forward_all_experts), fewer tokens through the
+# grouped matmuls over the picked experts only. ATOM_MOE_ALL_EXPERTS_MIN_TOKENS overrides it.
+ALL_EXPERTS_MIN_TOKENS = 32
+
+
+def all_experts_min_tokens() -> int:
+    return int(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_TOKENS", ALL_EXPERTS_MIN_TOKENS))
 
 
 def grouped_mm_applies(x: torch.Tensor) -> bool:
@@ -91,7 +100,7 @@ class TopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = router_logits(x, self.weight)  # [T, E] fp32
         if self.topk_groups == self.num_groups:  # no group limit
             return moe_route(logits, self.e_score_correction_bias, self.top_k, self.norm_topk_prob,
                              self.routed_scaling_factor)  # fmt: skip
@@ -143,6 +152,8 @@ class RoutedExperts(nn.ModuleList):
         """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add)."""
         on_gpu = kernels_apply(x)
         if on_gpu and grouped_mm_applies(x):
+            if all_experts_min_tokens() <= x.shape[0] <= DENSE_MAX_TOKENS:
+                return self.forward_all_experts(x, weights, ids, addend)
             return self.forward_grouped(x, weights, ids, addend)
         if on_gpu and x.shape[0] <= DENSE_MAX_TOKENS:
             out = self._forward_dense(x, weights, ids)
@@ -174,6 +185,21 @@ class RoutedExperts(nn.ModuleList):
         gate_up = torch._grouped_mm(x[src_token], self.gate_up_proj.transpose(1, 2), offs=ends)
         y = torch._grouped_mm(silu_mul(gate_up), self.down_proj.transpose(1, 2), offs=ends)  # [T*k, D]
         return moe_combine(y, pos, weights, addend)
+
+    def forward_all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                            addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Every expert on every token through one batched matmul per projection, then each token's
+        picks combined exactly as forward_grouped combines them.
+
+        Once a batch is large enough that nearly every expert is picked, the weights are read
+        once either way; the batched matmuls read them faster than grouped ones over a few rows
+        per expert, and need no regrouping of the tokens.
+        """
+        tokens = x.shape[0]
+        gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
+        y = torch.matmul(silu_mul(gate_up), self.down_proj.transpose(1, 2))  # [E, T, D]
+        rows = ids * tokens + torch.arange(tokens, device=x.device).unsqueeze(1)  # pick j of token t: y[ids, t]
+        return moe_combine(y.view(-1, y.shape[-1]), rows.flatten(), weights, addend)
 
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, combined with zero weight for the unpicked: no host sync.

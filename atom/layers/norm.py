@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom.ops.cuda.fused import rms_norm, rms_normalize
+from atom.ops.cuda.fused import add_rms_norm, rms_norm, rms_normalize
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +18,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)  # one kernel on a GPU
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(s), s)`` for ``s = x + residual`` (the add rounds as a separate add would): one kernel on a GPU."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):

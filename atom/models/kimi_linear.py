@@ -149,8 +149,21 @@ class KimiLinearDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states, delta = self.forward_residual(positions, hidden_states)
+        return hidden_states + delta
+
+    def forward_residual(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                         delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The layer on the residual stream ``hidden_states + delta`` (no delta: hidden_states), returned the
+        same way, its last add left to the next norm (``RMSNorm.forward_add``: the add and the norm in one
+        kernel). The adds round exactly as in forward."""
+        if delta is None:
+            normed = self.input_layernorm(hidden_states)
+        else:
+            normed, hidden_states = self.input_layernorm.forward_add(hidden_states, delta)
+        attn = self.self_attn(positions, normed)
+        normed, hidden_states = self.post_attention_layernorm.forward_add(hidden_states, attn)
+        return hidden_states, self.mlp(normed)
 
 
 def _attention(args: KimiLinearArgs, layer_idx: int, dtype: torch.dtype) -> nn.Module:
@@ -230,10 +243,10 @@ class KimiLinearModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states, delta = self.embed_tokens(input_ids), None
         for layer in self.layers[: self.num_hidden_layers]:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+            hidden_states, delta = layer.forward_residual(positions, hidden_states, delta)
+        return self.norm(hidden_states) if delta is None else self.norm.forward_add(hidden_states, delta)[0]
 
 
 class KimiLinearForCausalLM(nn.Module):

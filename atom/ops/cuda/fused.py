@@ -46,11 +46,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * normalize(x).to(x.dtype)`` over the last dim, normalising in fp32 (x's shape and dtype)."""
     if not kernels_apply(x, weight) or weight.dtype != x.dtype:
         return rms_norm_ref(x, weight, eps)
+    return _rms_norm_kernel(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(rms_norm(s), s)`` for ``s = x + residual``: a residual add and the norm after it, one kernel on a GPU."""
+    if (not kernels_apply(x, residual, weight) or not x.dtype == residual.dtype == weight.dtype
+            or residual.shape != x.shape):  # fmt: skip
+        s = x + residual
+        return rms_norm_ref(s, weight, eps), s
+    return _rms_norm_kernel(x, residual, weight, eps)
+
+
+def _rms_norm_kernel(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    C().rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), x2.shape[0],
-                 x2.shape[1], float(eps), dtype_code(x.dtype), stream_of(x.device))  # fmt: skip
-    return out.view(x.shape)
+    r2 = s2 = None
+    if residual is not None:
+        r2 = _rows(residual)
+        s2 = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    C().rms_norm(x2.data_ptr(), x2.stride(0), 0 if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+                 0 if s2 is None else s2.data_ptr(), 0 if s2 is None else s2.stride(0), weight.data_ptr(),
+                 out.data_ptr(), out.stride(0), x2.shape[0], x2.shape[1], float(eps), dtype_code(x.dtype),
+                 stream_of(x.device))  # fmt: skip
+    return out.view(x.shape), None if s2 is None else s2.view(x.shape)
 
 
 # -- silu_mul -----------------------------------------------------------------------
@@ -118,6 +139,31 @@ def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, r
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+# Up to this many tokens the kernel (one block per token); above, the fp32 matmul (the crossover is not measured).
+ROUTER_KERNEL_MAX_TOKENS = 256
+
+
+def router_logits_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 router logits [T, E] = x [T, D] (any float dtype) times weight fp32 [E, D]^T, summed in fp32.
+
+    One kernel at decode sizes (up to ROUTER_KERNEL_MAX_TOKENS rows), where the
+    reference is a copy of x to fp32 and a fp32 matmul.
+    """
+    tokens, dim = x.shape
+    if (not kernels_apply(x, weight) or weight.dtype != torch.float32 or tokens > ROUTER_KERNEL_MAX_TOKENS
+            or dim > 12288 or not weight.is_contiguous()):  # fmt: skip
+        return router_logits_ref(x, weight)
+    x2 = _rows(x)
+    logits = torch.empty(tokens, weight.shape[0], dtype=torch.float32, device=x.device)
+    C().router_logits(x2.data_ptr(), x2.stride(0), weight.data_ptr(), logits.data_ptr(), tokens, weight.shape[0],
+                      dim, dtype_code(x.dtype), stream_of(x.device))  # fmt: skip
+    return logits
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
