@@ -44,15 +44,17 @@ class Detokenizer:
         return None
 
     def _decode_new(self, request: Request) -> str:
-        tokens = request.all_token_ids
+        end = request.num_tokens
         skip = request.sampling_params.skip_special_tokens
         prefix, read = self._offsets.get(request.request_id, (max(request.num_prompt_tokens - _WINDOW, 0),
                                                               request.num_prompt_tokens))
-        prefix_text = self._decode(tokens[prefix:read], skip)
-        full_text = self._decode(tokens[prefix:], skip)
+        # only the window's tokens: copying the whole prompt + output for each new token
+        # would cost O(sequence length) per token
+        prefix_text = self._decode(request.token_ids_between(prefix, read), skip)
+        full_text = self._decode(request.token_ids_between(prefix, end), skip)
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""  # wait for the rest of a multi-byte character
-        self._offsets[request.request_id] = (read, len(tokens))
+        self._offsets[request.request_id] = (read, end)
         return full_text[len(prefix_text):]
 
     def flush(self, request: Request) -> None:
