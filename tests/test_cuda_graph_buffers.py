@@ -95,7 +95,7 @@ def test_advance_equals_refilling_the_buffers(kimi_ckpt):
     from dataclasses import replace
 
     from atom.engine.scheduler_output import ScheduledRequest
-    from atom.worker.cuda_graph import advance_decode_buffers, fill_decode_buffers
+    from atom.worker.cuda_graph import HostBlockTables, advance_decode_buffers, fill_decode_buffers
 
     gen = torch.Generator().manual_seed(0)
     sizes, block_size = (1, 2, 4, 8), 4
@@ -107,11 +107,57 @@ def test_advance_equals_refilling_the_buffers(kimi_ckpt):
         rows.append(ScheduledRequest(f"r{i}", [int(torch.randint(3, 99, (), generator=gen))], context, blocks,
                                      slot + (i % 2 if slot >= 0 else 0), True, state_out_slot=slot))
     buffers, tables = torch.zeros(7, 8, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long)
-    fill_decode_buffers(buffers, tables, [s.token_ids[0] for s in rows], rows, sizes, block_size)
+    fill_decode_buffers(buffers, tables, HostBlockTables(8, 12), [s.token_ids[0] for s in rows], rows, sizes,
+                        block_size)  # fmt: skip
     next_ids = torch.tensor([11, 12, 13, 14, 15])
     advance_decode_buffers(buffers, tables, next_ids, block_size)
     moved = [replace(s, token_ids=[int(t)], context_len=s.context_len + 1, state_slot=s.state_out_slot)
              for s, t in zip(rows, next_ids)]
     want_buffers, want_tables = torch.zeros(7, 8, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long)
-    fill_decode_buffers(want_buffers, want_tables, next_ids.tolist(), moved, sizes, block_size)
+    fill_decode_buffers(want_buffers, want_tables, HostBlockTables(8, 12), next_ids.tolist(), moved, sizes,
+                        block_size)  # fmt: skip
     assert torch.equal(buffers, want_buffers) and torch.equal(tables, want_tables)
+
+
+def test_host_block_tables_match_full_tables():
+    """Incremental host tables == each step's tables built in full, through appends, frees and
+    resends (forget), row reuse, and more live requests than rows (eviction)."""
+    from atom.engine.scheduler_output import ScheduledRequest
+    from atom.worker.cuda_graph import HostBlockTables
+
+    gen = torch.Generator().manual_seed(0)
+    host = HostBlockTables(rows=4, max_blocks=20)
+    lists: dict[str, list[int]] = {}
+    for step in range(300):
+        rid = f"r{int(torch.randint(0, 7, (), generator=gen))}"
+        action = int(torch.randint(0, 10, (), generator=gen))
+        if action == 0 and rid in lists:  # freed (finish / preemption), then sent afresh
+            del lists[rid]
+            host.forget([rid])
+        blocks = lists.setdefault(rid, [])
+        grow = min(int(torch.randint(0, 3, (), generator=gen)), 20 - len(blocks))  # the scheduler appends
+        blocks.extend(torch.randint(0, 500, (grow,), generator=gen).tolist())
+        live = [r for r in lists if lists[r]]
+        chosen = live[: int(torch.randint(1, 5, (), generator=gen))]
+        if not chosen:
+            continue
+        rows = [ScheduledRequest(r, [1], 0, list(lists[r]), -1, True) for r in chosen]
+        width = max(len(lists[r]) for r in chosen)
+        want = torch.tensor([lists[r] + [0] * (width - len(lists[r])) for r in chosen])
+        assert torch.equal(host.gather(rows, width), want), step
+
+
+def test_static_buffers_with_preemption_match_eager(tmp_path, kernel_shaped_layers):
+    """Requests preempted (their block lists freed and rebuilt) and resumed through the static
+    buffers' host tables give the plain runner's tokens."""
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    kwargs = {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4,
+              "num_gpu_blocks": 20, "max_model_len": 64}
+    eager = _generate(LLM(path, dtype="float32", max_num_seqs=4))
+    llm = LLM(path, **kwargs)
+    runner = llm.engine.runner
+    graphs = EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device)
+    runner.decode_graphs = graphs
+    assert _generate(llm) == eager
+    assert llm.engine.scheduler.num_preemptions > 0 and graphs.launched
+    assert llm.engine.all_resources_free()

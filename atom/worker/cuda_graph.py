@@ -76,6 +76,7 @@ class DecodeGraphs:
         self.max_blocks = -(-(config.max_model_len + config.num_speculative_tokens + 1) // config.block_size) + 1
         self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, largest)
         self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.long, device=device)
+        self.host_tables = HostBlockTables(max(config.max_num_seqs, largest), self.max_blocks)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -113,6 +114,10 @@ class DecodeGraphs:
         with set_forward_context(ForwardContext(meta, self.caches)):
             return self.model(cols[INPUT_IDS], cols[POSITIONS])
 
+    def forget(self, request_ids) -> None:
+        """These requests' block tables were freed or resent (finished, preempted, new)."""
+        self.host_tables.forget(request_ids)
+
     def covers(self, rows: list[ScheduledRequest]) -> bool:
         """A step the graphs can run: pure decode, no drafts or prompt logprobs, small enough."""
         return (
@@ -124,7 +129,8 @@ class DecodeGraphs:
     def replay(self, input_ids: list[int], rows: list[ScheduledRequest]) -> torch.Tensor:
         """Hidden states [n, D] of the step's n rows (a view into the graph's output buffer,
         valid until the next replay)."""
-        size = fill_decode_buffers(self.rows, self.tables, input_ids, rows, self.sizes, self.block_size)
+        size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.sizes,
+                                   self.block_size)
         return self._launch(size)[: len(rows)]
 
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
@@ -134,7 +140,8 @@ class DecodeGraphs:
         positions, slots and lengths advanced on the device: no host sync between steps.
         Returns the tokens, int64 [num_steps, n] on the device."""
         n = len(rows)
-        size = fill_decode_buffers(self.rows, self.tables, input_ids, rows, self.sizes, self.block_size)
+        size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.sizes,
+                                   self.block_size)
         tokens = torch.empty(num_steps, n, dtype=torch.long, device=self.device)
         for step in range(num_steps):
             if step:
@@ -149,8 +156,58 @@ class DecodeGraphs:
         return hidden
 
 
-def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, input_ids: list[int],
-                        rows: list[ScheduledRequest], sizes: tuple[int, ...], block_size: int) -> int:  # fmt: skip
+class HostBlockTables:
+    """Each decoding request's block table kept on the host between steps, so that a step
+    writes only the blocks added since the request's last step, not every table in full
+    (at 32k tokens of context that was 2,000 block ids a request, each step).
+
+    Sound because the scheduler only ever appends to a request's block list until it frees
+    it; every free reaches the runner as a finished or preempted id, and a resent request
+    as new: ``forget`` drops those ids' tables.
+    """
+
+    def __init__(self, rows: int, max_blocks: int) -> None:
+        self.table = torch.zeros(rows, max_blocks, dtype=torch.long)
+        self._known: dict[str, tuple[int, int]] = {}  # request id -> (row, blocks written)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def forget(self, request_ids) -> None:
+        for request_id in request_ids:
+            known = self._known.pop(request_id, None)
+            if known is not None:
+                self._free.append(known[0])
+
+    def gather(self, rows: list[ScheduledRequest], width: int) -> torch.Tensor:
+        """The step's block tables, [len(rows), width], zero past each row's blocks."""
+        index = []
+        for s in rows:
+            known = self._known.get(s.request_id)
+            if known is None or known[1] != len(s.block_ids):
+                known = self._write(s, known, rows)
+            index.append(known[0])
+        return self.table[index, :width]
+
+    def _write(self, s: ScheduledRequest, known: tuple[int, int] | None,
+               rows: list[ScheduledRequest]) -> tuple[int, int]:  # fmt: skip
+        """Writes the blocks of s not yet in its row (a new row for a request not seen yet)."""
+        row, written = known if known is not None else (self._take_row(rows), -1)
+        n = len(s.block_ids)
+        if n < written or written < 0:  # a new row, or (not possible between forgets) a shorter list
+            self.table[row].zero_()  # past a row's blocks it holds zeros
+            written = 0
+        self.table[row, written:n] = torch.tensor(s.block_ids[written:n], dtype=torch.long)
+        self._known[s.request_id] = (row, n)
+        return row, n
+
+    def _take_row(self, rows: list[ScheduledRequest]) -> int:
+        if not self._free:  # every row taken: drop the requests this step does not run
+            self.forget([rid for rid in list(self._known) if rid not in {s.request_id for s in rows}])
+        return self._free.pop()
+
+
+def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables: HostBlockTables,
+                        input_ids: list[int], rows: list[ScheduledRequest], sizes: tuple[int, ...],
+                        block_size: int) -> int:  # fmt: skip
     """Writes a decode step's n rows into the static buffers (columns n.. up to the graph
     size as padding); the graph size to replay."""
     n = len(rows)
@@ -167,8 +224,7 @@ def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, input_ids: 
     ]
     buffers[:, :size].copy_(torch.tensor(host, dtype=torch.long))
     width = max(len(s.block_ids) for s in rows)
-    table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in rows]
-    tables[:n, :width].copy_(torch.tensor(table, dtype=torch.long))
+    tables[:n, :width].copy_(host_tables.gather(rows, width))
     return size
 
 

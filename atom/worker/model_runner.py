@@ -72,6 +72,9 @@ class ModelRunner:
 
     # -- per-request state ---------------------------------------------------------
     def _update_states(self, sched: SchedulerOutput) -> None:
+        if self.decode_graphs is not None:  # their block lists were freed, or are sent afresh
+            self.decode_graphs.forget([*sched.finished_req_ids, *sched.preempted_req_ids,
+                                       *(new.request_id for new in sched.new_requests)])  # fmt: skip
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in sched.new_requests:
