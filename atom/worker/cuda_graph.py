@@ -201,7 +201,8 @@ class HostBlockTables:
 
     def _take_row(self, rows: list[ScheduledRequest]) -> int:
         if not self._free:  # every row taken: drop the requests this step does not run
-            self.forget([rid for rid in list(self._known) if rid not in {s.request_id for s in rows}])
+            running = {s.request_id for s in rows}
+            self.forget([rid for rid in list(self._known) if rid not in running])
         return self._free.pop()
 
 
