@@ -33,6 +33,17 @@ if [[ -n "$hipcc" ]]; then
     echo "check_cuda_build: compiled $src (hipcc, gfx90a + gfx940)"
   done
 fi
+# gfx942 (MI300) through Debian's clang-19, where installed: ROCm 5.2 has no device
+# libraries for it, so device code only, to bitcode (-fgpu-rdc, -nogpulib), no link.
+# (gfx950 needs LLVM 20.)
+clang19=$(command -v clang-19 || true)
+if [[ -n "$hipcc" && -n "$clang19" ]]; then
+  for src in csrc/*.cu; do
+    "$clang19" -x hip --offload-arch=gfx942 --offload-device-only -fgpu-rdc -nogpulib -std=c++17 -O2 -Icsrc \
+      -fPIC -Wall -Werror -c "$src" -o "$out/$(basename "$src").gfx942.bc"
+    echo "check_cuda_build: compiled $src (clang-19, gfx942 device code)"
+  done
+fi
 # bindings.cpp is host-only C++: it needs pybind11's and Python's headers.
 g++ -c -std=c++17 -O2 -fPIC -Wall -Werror -Icsrc $("$python" -m pybind11 --includes) \
   csrc/bindings.cpp -o "$out/bindings.o"

@@ -145,10 +145,9 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     router_logits_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                          float* __restrict__ logits, int experts, int dim, bool vec) {
-  extern __shared__ float row[];  // dim
+  float* row = dynamic_shared<float>();  // dim
   const int64_t t = blockIdx.x;
   const T* xr = x + t * x_stride;
-#pragma unroll 4
   for (int d = threadIdx.x; d < dim; d += blockDim.x) row[d] = to_float(xr[d]);
   __syncthreads();
   const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup, groups = blockDim.x / kGroup;

@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) kda_decode_fast_kernel(KdaPa
 // grid (H, B), block 128, dynamic smem 3 * K floats.
 template <typename T>
 __global__ void __launch_bounds__(128) kda_decode_generic_kernel(KdaParams p) {
-  extern __shared__ float smem[];
+  float* smem = dynamic_shared<float>();
   float* q_s = smem;
   float* k_s = smem + p.key_dim;
   float* d_s = smem + 2 * p.key_dim;

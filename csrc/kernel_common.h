@@ -39,6 +39,15 @@ using fp16_t = __half;
 
 namespace atom {
 
+// The launch's dynamic shared memory as T[]. Declared here, outside the kernels'
+// anonymous namespaces: clang's HIP rejects an extern __shared__ array with
+// internal linkage ("has internal linkage but is not defined").
+template <typename T>
+__device__ __forceinline__ T* dynamic_shared() {
+  extern __shared__ __align__(16) unsigned char atom_dynamic_shared[];
+  return reinterpret_cast<T*>(atom_dynamic_shared);
+}
+
 constexpr int kGroup = 32;  // threads per reduction group ("warp")
 
 __device__ __forceinline__ float to_float(float x) { return x; }

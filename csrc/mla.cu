@@ -34,7 +34,7 @@ constexpr int kGenericMaxCols = 8;  // rank <= 128 * 8
 
 template <typename T, typename OutT>
 __global__ void __launch_bounds__(kGenericThreads) mla_decode_generic_kernel(MlaParams p) {
-  extern __shared__ float q_s[];  // rank + rope
+  float* q_s = dynamic_shared<float>();  // rank + rope
   __shared__ float score[kGenericTile];
   const int h = blockIdx.x, split = blockIdx.z;
   const int64_t b = blockIdx.y;
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kGenericThreads) mla_decode_generic_kernel(Mla
 // or strided single columns, and reads the splits' partials independently.
 template <typename OutT>
 __global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
-  extern __shared__ float weight[];  // num_splits
+  float* weight = dynamic_shared<float>();  // num_splits
   const int h = blockIdx.x;
   const int64_t b = blockIdx.y;
   const int S = p.num_splits;
