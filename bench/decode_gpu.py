@@ -167,13 +167,16 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()
-        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
+        # ATOM first, printed at once: a stall in transformers (e.g. Triton autotuning) loses nothing
         atom = _try_atom(args, prompts, batch, enforce_eager=False) if not args.skip_atom else None
         eager = _try_atom(args, prompts, batch, enforce_eager=True) if args.eager_too else None
         overlap = _try_atom(args, prompts, batch, async_scheduling=True) if args.async_too else None
         multi = _try_atom(args, prompts, batch, num_scheduler_steps=args.multi_step) if args.multi_step > 1 else None
         context = args.input_len + args.output_len // 2
         roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
+        print(f"batch {batch}: atom {atom}, atom multi-step {multi}, roofline {roof:.0f} tok/s; transformers next",
+              flush=True)  # fmt: skip
+        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
         rows.append((batch, atom, eager, overlap, multi, hf, roof))
         print(f"batch {batch}: atom {atom}, atom eager {eager}, atom async {overlap}, atom multi-step {multi}, "
               f"hf {hf}, roofline {roof:.0f} tok/s", flush=True)
