@@ -178,6 +178,34 @@ def bench_norm(C, rows: int, dim: int = 128) -> dict:
     return {"op": f"gated_rmsnorm rows={rows} D={dim}", "bytes": 3 * rows * dim * 2, "us": time_us(run)}
 
 
+def bench_rms_norm(C, rows: int, dim: int = 2304, residual: bool = False) -> dict:
+    bf16 = torch.bfloat16
+    x, r = torch.randn(rows, dim, dtype=bf16, device="cuda"), torch.randn(rows, dim, dtype=bf16, device="cuda")
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    w = torch.randn(dim, dtype=bf16, device="cuda")
+
+    def run():
+        C.rms_norm(x.data_ptr(), dim, r.data_ptr() if residual else 0, dim, total.data_ptr() if residual else 0, dim,
+                   w.data_ptr(), out.data_ptr(), dim, rows, dim, 1e-6, dtype_code(bf16), stream())  # fmt: skip
+
+    moved = (4 if residual else 2) * rows * dim * 2 + dim * 2
+    name = "add_rms_norm" if residual else "rms_norm"
+    return {"op": f"{name} rows={rows} D={dim}", "bytes": moved, "us": time_us(run)}
+
+
+def bench_router(C, tokens: int, experts: int = 16, dim: int = 2304) -> dict:
+    x = torch.randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(experts, dim, device="cuda")
+    logits = torch.empty(tokens, experts, device="cuda")
+
+    def run():
+        C.router_logits(x.data_ptr(), dim, w.data_ptr(), logits.data_ptr(), tokens, experts, dim,
+                        dtype_code(torch.bfloat16), stream())  # fmt: skip
+
+    moved = x.numel() * 2 + w.numel() * 4 + logits.numel() * 4
+    return {"op": f"router_logits T={tokens} E={experts} D={dim}", "bytes": moved, "us": time_us(run)}
+
+
 def bench_mla(
     C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None, kernel: int = 0
 ) -> dict:
@@ -255,6 +283,9 @@ def main() -> None:
     ]
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
     cases += [(f"gated_rmsnorm rows={r}", lambda r=r: bench_norm(C, r)) for r in (64 * 32, 1 << 20)]
+    cases += [(f"rms_norm rows={r} residual={a}", lambda r=r, a=a: bench_rms_norm(C, r, residual=a))
+              for r in (64, 16384) for a in (False, True)]  # fmt: skip
+    cases += [(f"router_logits T={t}", lambda t=t: bench_router(C, t)) for t in (1, 64, 256)]
     for gather in (True, False):
         name = "gather_blocks" if gather else "scatter_blocks"
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))
