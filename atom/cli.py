@@ -102,7 +102,8 @@ def _engine_flags() -> argparse.ArgumentParser:
     g.add_argument("--num-scheduler-steps", type=int, metavar="K",
                    help="multi-step decoding: when every running request is decoding, run up to K decode "
                         "steps per scheduling round, so scheduling and output handling are paid once per K "
-                        f"tokens {_default('num_scheduler_steps')}")
+                        "tokens; with --async-scheduling they overlap the next round "
+                        f"{_default('num_scheduler_steps')}")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="on a GPU, run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--kv-transfer-config", type=_json_object, metavar="JSON",

@@ -137,7 +137,6 @@ class EngineConfig:
         if self.num_scheduler_steps == 1:
             return
         for name, on in (("speculative decoding (speculative_config)", self.speculative_config is not None),
-                         ("async_scheduling", self.async_scheduling),
                          ("P/D disaggregation (kv_transfer_config)", self.kv_transfer_config is not None)):
             if on:
                 raise ValueError(f"num_scheduler_steps > 1 does not combine with {name}; "

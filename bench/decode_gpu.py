@@ -142,7 +142,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-atom", action="store_true")
     p.add_argument("--eager-too", action="store_true", help="also run ATOM with enforce_eager (no CUDA graphs)")
-    p.add_argument("--async-too", action="store_true", help="also run ATOM with async scheduling")
+    p.add_argument("--async-too", action="store_true",
+                   help="also run ATOM with async scheduling (and, with --multi-step, multi-step + async)")
     p.add_argument("--multi-step", type=int, default=0, metavar="K",
                    help="also run ATOM with num_scheduler_steps=K (multi-step decoding)")
     args = p.parse_args()
@@ -172,25 +173,28 @@ def main() -> None:
         eager = _try_atom(args, prompts, batch, enforce_eager=True) if args.eager_too else None
         overlap = _try_atom(args, prompts, batch, async_scheduling=True) if args.async_too else None
         multi = _try_atom(args, prompts, batch, num_scheduler_steps=args.multi_step) if args.multi_step > 1 else None
+        multi_overlap = None
+        if args.multi_step > 1 and args.async_too:  # rounds planned while the round before runs
+            multi_overlap = _try_atom(args, prompts, batch, num_scheduler_steps=args.multi_step, async_scheduling=True)
         context = args.input_len + args.output_len // 2
         roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
-        print(f"batch {batch}: atom {atom}, atom multi-step {multi}, roofline {roof:.0f} tok/s; transformers next",
-              flush=True)  # fmt: skip
+        print(f"batch {batch}: atom {atom}, atom multi-step {multi}, multi-step + async {multi_overlap}, "
+              f"roofline {roof:.0f} tok/s; transformers next", flush=True)  # fmt: skip
         hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
-        rows.append((batch, atom, eager, overlap, multi, hf, roof))
+        rows.append((batch, atom, eager, overlap, multi, multi_overlap, hf, roof))
         print(f"batch {batch}: atom {atom}, atom eager {eager}, atom async {overlap}, atom multi-step {multi}, "
-              f"hf {hf}, roofline {roof:.0f} tok/s", flush=True)
+              f"multi-step + async {multi_overlap}, hf {hf}, roofline {roof:.0f} tok/s", flush=True)
 
     print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'async tok/s':>11} {'multi tok/s':>11} "
-          f"{'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9} {'best/roof':>9}")
-    for batch, atom, eager, overlap, multi, hf, roof in rows:
+          f"{'multi+async':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9} {'best/roof':>9}")
+    for batch, atom, eager, overlap, multi, multi_overlap, hf, roof in rows:
         fmt = lambda x, w: f"{x:{w}.0f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = f"{atom / hf:6.2f}" if atom and hf else f"{'-':>6}"
         frac = f"{atom / roof:9.1%}" if atom else f"{'-':>9}"
-        best = max((x for x in (atom, overlap, multi) if x), default=None)
+        best = max((x for x in (atom, overlap, multi, multi_overlap) if x), default=None)
         frac_best = f"{best / roof:9.1%}" if best else f"{'-':>9}"
-        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(overlap, 11)} {fmt(multi, 11)} {fmt(hf, 9)} "
-              f"{ratio} {roof:9.0f} {frac} {frac_best}")
+        print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(overlap, 11)} {fmt(multi, 11)} "
+              f"{fmt(multi_overlap, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} {frac} {frac_best}")
 
 
 def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = False,

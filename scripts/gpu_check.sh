@@ -31,7 +31,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_build.py
 stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py
 [ -n "${SKIP_BENCH:-}" ] && exit 0
-stage decode ${DECODE_LIMIT:-200} python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --multi-step 16
+stage decode ${DECODE_LIMIT:-200} python3 bench/decode_gpu.py --batches 1,16,64 --output-len 32 --multi-step 16 --async-too
 tail -8 "$OUT/decode.txt"
 stage profile ${PROFILE_LIMIT:-150} python3 bench/profile_decode_gpu.py --batches 1,64 --top 16
 grep -E "^== batch|one replay|kernels in one|last replay|whole forward" "$OUT/profile.txt" | tee -a "$OUT/summary.txt"

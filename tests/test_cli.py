@@ -83,7 +83,8 @@ def test_bad_flag_is_one_line_naming_it(tmp_path):
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--temperature", "-1"], "temperature"),
         (["--num-scheduler-steps", "0"], "num_scheduler_steps"),
-        (["--num-scheduler-steps", "4", "--async-scheduling"], "async_scheduling"),
+        (["--num-scheduler-steps", "4", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+         "does not combine with speculative decoding"),
     ],
 )
 def test_bad_values_are_one_line_without_traceback(kimi_ckpt, capsys, args, expect):

@@ -73,12 +73,14 @@ def test_static_buffer_forward_matches_eager(tmp_path, kernel_shaped_layers, var
     assert llm.engine.all_resources_free()
 
 
-def test_device_side_multi_step_rounds_match_single_steps(kimi_ckpt, kernel_shaped_layers):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_device_side_multi_step_rounds_match_single_steps(kimi_ckpt, kernel_shaped_layers, overlap):
     """Multi-step rounds through the static buffers, advanced between steps by tensor ops alone
-    (``advance_decode_buffers``, as on the GPU), give the single-step tokens."""
+    (``advance_decode_buffers``, as on the GPU), give the single-step tokens; with async
+    scheduling too (a round's first input then is the last token of the round before)."""
     kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
     eager = _generate(LLM(kimi_ckpt, **kwargs))
-    llm = LLM(kimi_ckpt, num_scheduler_steps=4, **kwargs)
+    llm = LLM(kimi_ckpt, num_scheduler_steps=4, async_scheduling=overlap, **kwargs)
     runner = llm.engine.runner
     graphs = EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device)
     runner.decode_graphs = graphs

@@ -105,8 +105,10 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
     assert graphs == eager == cpu
 
 
-def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypatch):
-    """--num-scheduler-steps on the GPU: rounds of graph replays chained on the device."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypatch, overlap):
+    """--num-scheduler-steps on the GPU: rounds of graph replays chained on the device (with
+    async scheduling too: round N+1 planned and queued while round N runs)."""
     from atom.worker.cuda_graph import DecodeGraphs
 
     path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
@@ -119,7 +121,8 @@ def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypat
         return inner(self, input_ids, rows, num_steps, next_tokens)
 
     monkeypatch.setattr(DecodeGraphs, "replay_steps", counting)
-    multi = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4)
+    multi = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4,
+                      async_scheduling=overlap)  # fmt: skip
     assert rounds and max(rounds) == 4
     assert multi == cpu
 

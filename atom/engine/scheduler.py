@@ -166,7 +166,9 @@ class Scheduler:
         waits who could be admitted, no request would pass its max_tokens or
         max_model_len within the steps, and the blocks for all of them are free
         (so nobody is preempted for them). Requests that stop early (EOS, stop
-        strings) just have the tokens after their stop dropped by update().
+        strings) just have the tokens after their stop dropped by update(). With
+        async scheduling the round in flight's tokens count as known (pending):
+        the next round starts from its last token, which only the runner has.
         """
         steps = self.config.num_scheduler_steps
         if steps == 1 or not self.running:
@@ -174,14 +176,16 @@ class Scheduler:
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return 1  # admit first: a prefill mixes with ordinary decode steps
         for request in self.running:
-            if request.status != RequestStatus.RUNNING or request.num_pending_tokens or request.spec_token_ids:
+            if request.status != RequestStatus.RUNNING or request.spec_token_ids:
                 return 1
-            if request.num_tokens - request.num_computed_tokens != 1:
+            # with async scheduling a round may still be in flight: its tokens count as known
+            known = request.num_tokens + request.num_pending_tokens
+            if known - request.num_computed_tokens != 1:
                 return 1  # still prefilling
-            steps = min(steps, self.config.max_model_len - request.num_tokens)
+            steps = min(steps, self.config.max_model_len - known)
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
-                steps = min(steps, max_tokens - request.num_output_tokens)
+                steps = min(steps, max_tokens - request.num_output_tokens - request.num_pending_tokens)
             if steps <= 1:
                 return 1
         needed = sum(self.kv.num_new_blocks(request, steps) for request in self.running)
@@ -285,7 +289,7 @@ class Scheduler:
         # Drafts count as computed now; update() takes back the rejected ones. A multi-step
         # round computes its num_steps - 1 further tokens too (the last one sampled is not).
         request.num_computed_tokens += n + len(drafts) + out.num_steps - 1
-        request.num_pending_tokens += int(sample)
+        request.num_pending_tokens += out.num_steps if sample else 0  # tokens the step in flight will sample
         request.state_offset = 0
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -315,7 +319,7 @@ class Scheduler:
             if tokens is None:
                 self.kv.cache_full_blocks(request)
                 continue
-            request.num_pending_tokens -= 1
+            request.num_pending_tokens -= sched.num_steps
             if s.draft_token_ids:
                 self._account_verification(request, s, len(tokens) - 1)
             self.kv.cache_full_blocks(request)
