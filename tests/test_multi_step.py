@@ -183,3 +183,42 @@ def test_streaming_through_async_engine(kimi_ckpt, make_llm, overlap):
     chunks = asyncio.run(asyncio.wait_for(stream_all(), timeout=120))
     assert [[t for c in per_request for t in c] for per_request in chunks] == reference
     assert max(len(c) for per_request in chunks for c in per_request) == 4  # a round arrives as one chunk
+
+
+def test_abandoned_streams_mid_round_free_everything(kimi_ckpt, make_llm, overlap):
+    """Clients that stop reading after their first chunk abort their requests while rounds are in
+    flight (with overlap, also while the next round is already queued); the others still get the
+    single-step tokens, and every block and slot is free at the end."""
+    import asyncio
+    import contextlib
+
+    from atom import AsyncEngine
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    reference = _tokens(make_llm(kimi_ckpt).generate(_inputs(), greedy))
+
+    async def run() -> list[list[int] | None]:
+        async with AsyncEngine.from_config(model=kimi_ckpt, dtype="float32", num_scheduler_steps=4,
+                                           async_scheduling=overlap) as engine:
+            async def one(i, prompt) -> list[int] | None:
+                tokens = []
+                async with contextlib.aclosing(engine.generate(prompt, greedy)) as stream:
+                    async for out in stream:
+                        tokens += out.new_token_ids
+                        if i % 2 == 0 and len(tokens) > 1:  # walks away mid-stream: closing aborts it
+                            return None
+                return tokens
+
+            got = await asyncio.gather(*(one(i, p) for i, p in enumerate(_inputs())))
+            for _ in range(100):  # the aborts land between steps
+                if engine.all_resources_free():
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.all_resources_free()
+            return got
+
+    got = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    for i, tokens in enumerate(got):
+        assert (tokens is None) == (i % 2 == 0)
+        if tokens is not None:
+            assert tokens == reference[i]
