@@ -182,8 +182,7 @@ def main() -> None:
               f"roofline {roof:.0f} tok/s; transformers next", flush=True)  # fmt: skip
         hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
         rows.append((batch, atom, eager, overlap, multi, multi_overlap, hf, roof))
-        print(f"batch {batch}: atom {atom}, atom eager {eager}, atom async {overlap}, atom multi-step {multi}, "
-              f"multi-step + async {multi_overlap}, hf {hf}, roofline {roof:.0f} tok/s", flush=True)
+        print(f"batch {batch}: atom eager {eager}, atom async {overlap}, transformers {hf}", flush=True)
 
     print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'async tok/s':>11} {'multi tok/s':>11} "
           f"{'multi+async':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9} {'best/roof':>9}")

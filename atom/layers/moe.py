@@ -38,12 +38,8 @@ from atom.ops.cuda.fused import moe_align, moe_combine, moe_route, router_logits
 DENSE_MAX_TOKENS = 128
 # bf16 on Hopper: batches of at least this many tokens (and at most DENSE_MAX_TOKENS) run every
 # expert through one batched matmul per projection (forward_all_experts), fewer tokens through the
-# grouped matmuls over the picked experts only. ATOM_MOE_ALL_EXPERTS_MIN_TOKENS overrides it.
-ALL_EXPERTS_MIN_TOKENS = 32
-
-
-def all_experts_min_tokens() -> int:
-    return int(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_TOKENS", ALL_EXPERTS_MIN_TOKENS))
+# grouped matmuls over the picked experts only. ATOM_MOE_ALL_EXPERTS_MIN_TOKENS overrides it (read at import).
+ALL_EXPERTS_MIN_TOKENS = int(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_TOKENS", 32))
 
 
 def grouped_mm_applies(x: torch.Tensor) -> bool:
@@ -152,7 +148,7 @@ class RoutedExperts(nn.ModuleList):
         """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add)."""
         on_gpu = kernels_apply(x)
         if on_gpu and grouped_mm_applies(x):
-            if all_experts_min_tokens() <= x.shape[0] <= DENSE_MAX_TOKENS:
+            if ALL_EXPERTS_MIN_TOKENS <= x.shape[0] <= DENSE_MAX_TOKENS:
                 return self.forward_all_experts(x, weights, ids, addend)
             return self.forward_grouped(x, weights, ids, addend)
         if on_gpu and x.shape[0] <= DENSE_MAX_TOKENS:

@@ -58,25 +58,22 @@ def kda_decode(
             f"kda_decode: q, k, g must share [B, T, H, K] and v, beta its [B, T, H]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
         )
-    if state_pool.dtype != torch.float32 or state_pool.shape[1:] != (heads, key_dim, value_dim):
-        raise ValueError(f"kda_decode: state_pool must be fp32 [slots, {heads}, {key_dim}, {value_dim}], "
-                         f"got {state_pool.dtype} {tuple(state_pool.shape)}")
+    check_state_pool("kda_decode", state_pool, heads, key_dim, value_dim)
     scale = key_dim**-0.5 if scale is None else scale
     if not kernels_apply(q, k, v, g, beta, state_pool, state_slots):
         ref = kda_decode_ref(q, k, v, g, beta, state_pool, state_slots, out_slots, per_token, has_initial_state,
                              scale, eps)  # fmt: skip
         return _into(ref.squeeze(1) if squeeze else ref, out)
 
-    if not state_pool[0].is_contiguous():
-        raise ValueError("kda_decode: each slot of state_pool must be one contiguous [H, K, V] block")
+    check_slots_contiguous("kda_decode", state_pool)
     dtype = v.dtype
-    q, k = _token_major(q.to(dtype)), _token_major(k.to(dtype))
-    v = _token_major(v)
+    q, k = token_major(q.to(dtype)), token_major(k.to(dtype))
+    v = token_major(v)
     g = g.float().contiguous()
     beta = beta.float().contiguous()
     ins, outs = _slots(state_slots, out_slots, batch, v.device)
     init = _flags(has_initial_state, v.device)
-    result = _output(out, (batch, tokens, heads, value_dim), dtype, v.device)
+    result = output_buffer(out, (batch, tokens, heads, value_dim), dtype, v.device)
     with torch.cuda.device(v.device):
         C().kda_decode(
             q.data_ptr(), q.stride(0), q.stride(1),
@@ -127,7 +124,7 @@ def conv1d_update(
     weight = weight.to(dtype).contiguous()
     ins, outs = _slots(state_slots, out_slots, batch, x.device)
     init = _flags(has_initial_state, x.device)
-    result = _output(out, tuple(x.shape), dtype, x.device)
+    result = output_buffer(out, tuple(x.shape), dtype, x.device)
     with torch.cuda.device(x.device):
         C().conv1d_update(
             x.data_ptr(), conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(),
@@ -137,7 +134,7 @@ def conv1d_update(
     return out if out is not None else (result.squeeze(1) if squeeze else result)
 
 
-def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """The kernel's contiguous output buffer: ``out`` viewed as ``shape``, or a new tensor."""
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
@@ -161,12 +158,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _token_major(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, H, D] whose per-token [H, D] is contiguous; copies only when it is not."""
-    _, _, heads, dim = x.shape
-    if x.stride(3) == 1 and x.stride(2) == dim:
+def check_state_pool(op: str, state_pool: torch.Tensor, heads: int, key_dim: int, value_dim: int) -> None:
+    if state_pool.dtype != torch.float32 or state_pool.shape[1:] != (heads, key_dim, value_dim):
+        raise ValueError(f"{op}: state_pool must be fp32 [slots, {heads}, {key_dim}, {value_dim}], "
+                         f"got {state_pool.dtype} {tuple(state_pool.shape)}")
+
+
+def check_slots_contiguous(op: str, state_pool: torch.Tensor) -> None:
+    if not state_pool[0].is_contiguous():
+        raise ValueError(f"{op}: each slot of state_pool must be one contiguous [H, K, V] block")
+
+
+def token_major(x: torch.Tensor) -> torch.Tensor:
+    """[..., H, D] whose per-token [H, D] is contiguous; copies only when it is not."""
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
         return x
     return x.contiguous()
+
+
+def slots_and_flags(state_slots: torch.Tensor, out_slots: torch.Tensor | None,
+                    has_initial_state: torch.Tensor | None, batch: int, device) -> tuple:  # fmt: skip
+    """(in slots, out slots, initial-state flags): what every slot-pool kernel takes."""
+    return (*_slots(state_slots, out_slots, batch, device), _flags(has_initial_state, device))
 
 
 def _slots(state_slots: torch.Tensor, out_slots: torch.Tensor | None, batch: int, device) -> tuple:

@@ -28,6 +28,8 @@ import os
 import torch
 
 from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda.kda import (check_slots_contiguous, check_state_pool, output_buffer, slots_and_flags,
+                               token_major)
 from atom.ops.cuda.reference import kda_prefill_ref
 
 BACKENDS = ("auto", "atom", "fla")
@@ -102,46 +104,35 @@ def kda_prefill(
             f"kda_prefill: q, k, g must share [T, H, K] and v, beta its [T, H]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
         )
-    if state_pool.dtype != torch.float32 or state_pool.shape[1:] != (heads, key_dim, value_dim):
-        raise ValueError(f"kda_prefill: state_pool must be fp32 [slots, {heads}, {key_dim}, {value_dim}], "
-                         f"got {state_pool.dtype} {tuple(state_pool.shape)}")
+    check_state_pool("kda_prefill", state_pool, heads, key_dim, value_dim)
     scale = key_dim**-0.5 if scale is None else scale
     if not kernels_apply(q, k, v, g, beta, cu_seqlens, state_pool, state_slots) or key_dim > 128:
         ref = kda_prefill_ref(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, out_slots, has_initial_state,
                               scale, eps)  # fmt: skip
         return ref if out is None else out.copy_(ref)
-    ins = state_slots.reshape(num_seqs).to(dtype=torch.int64).contiguous()
-    outs = ins if out_slots is None else out_slots.reshape(num_seqs).to(dtype=torch.int64).contiguous()
+    ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, num_seqs, v.device)
     if (backend or prefill_backend(v.dtype, key_dim, value_dim)) == "fla" and eps == 1e-6:
         o = _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initial_state, scale)
         return o if out is None else out.copy_(o)
 
-    if not state_pool[0].is_contiguous():
-        raise ValueError("kda_prefill: each slot of state_pool must be one contiguous [H, K, V] block")
+    check_slots_contiguous("kda_prefill", state_pool)
     dtype = v.dtype
-    q, k, v = (_token_major(t.to(dtype)) for t in (q, k, v))
+    q, k, v = (token_major(t.to(dtype)) for t in (q, k, v))
     g, beta = g.float().contiguous(), beta.float().contiguous()
     cu = cu_seqlens if cu_seqlens.dtype in (torch.int32, torch.int64) else cu_seqlens.long()
     cu = cu.contiguous()
-    init = None
-    if has_initial_state is not None:
-        init = has_initial_state.to(device=v.device, dtype=torch.uint8).contiguous()
-    if out is None:
-        out = torch.empty(tokens, heads, value_dim, dtype=dtype, device=v.device)
-    elif out.shape != (tokens, heads, value_dim) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"kda_prefill: out must be a contiguous {dtype} [{tokens}, {heads}, {value_dim}] tensor, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    result = output_buffer(out, (tokens, heads, value_dim), dtype, v.device)
     workspace = torch.empty(C().kda_prefill_workspace_floats(tokens, num_seqs, heads), dtype=torch.float32,
                             device=v.device)  # fmt: skip
     with torch.cuda.device(v.device):
         C().kda_prefill(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), g.data_ptr(),
             beta.data_ptr(), cu.data_ptr(), dtype_code(cu.dtype), state_pool.data_ptr(), state_pool.stride(0),
-            ins.data_ptr(), outs.data_ptr(), init.data_ptr() if init is not None else 0, out.data_ptr(),
+            ins.data_ptr(), outs.data_ptr(), init.data_ptr() if init is not None else 0, result.data_ptr(),
             workspace.data_ptr(), tokens, num_seqs, heads, key_dim, value_dim, float(scale), float(eps),
             dtype_code(dtype), stream_of(v.device),
         )  # fmt: skip
-    return out
+    return out if out is not None else result
 
 
 def _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initial_state, scale) -> torch.Tensor:
@@ -161,11 +152,3 @@ def _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initia
     )  # fmt: skip
     state_pool[outs] = final.float()
     return o[0].to(dtype)
-
-
-def _token_major(x: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] whose per-token [H, D] is contiguous; copies only when it is not."""
-    _, heads, dim = x.shape
-    if x.stride(2) == 1 and x.stride(1) == dim:
-        return x
-    return x.contiguous()
