@@ -191,6 +191,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tokens"), py::arg("experts"), py::arg("dim"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
+      "advance_decode",
+      [](uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride, uintptr_t next_ids, int64_t n,
+         int64_t block_size, uintptr_t stream) {
+        check(atom::advance_decode(rows, row_stride, tables, table_stride, next_ids, n, block_size, stream));
+      },
+      "the CUDA-graph decode buffers moved one decode step on", py::arg("rows"), py::arg("row_stride"),
+      py::arg("tables"), py::arg("table_stride"), py::arg("next_ids"), py::arg("n"), py::arg("block_size"),
+      py::arg("stream"));
+
+  m.def(
       "moe_route",
       [](uintptr_t logits, int64_t logits_stride, uintptr_t bias, int64_t tokens, int64_t experts, int64_t top_k,
          bool renormalize, double scale, uintptr_t ids, uintptr_t weights, uintptr_t stream) {
@@ -213,10 +223,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "moe_combine",
       [](uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens, int64_t top_k,
-         int64_t dim, int dtype, uintptr_t stream) {
-        check(atom::moe_combine(y, pos, weights, addend, out, tokens, top_k, dim, dtype, stream));
+         int64_t dim, int64_t pick_stride, int dtype, uintptr_t stream) {
+        check(atom::moe_combine(y, pos, weights, addend, out, tokens, top_k, dim, pick_stride, dtype, stream));
       },
       "weighted sum of each token's expert outputs (+ addend)", py::arg("y"), py::arg("pos"), py::arg("weights"),
-      py::arg("addend"), py::arg("out"), py::arg("tokens"), py::arg("top_k"), py::arg("dim"), py::arg("dtype"),
-      py::arg("stream"));
+      py::arg("addend"), py::arg("out"), py::arg("tokens"), py::arg("top_k"), py::arg("dim"), py::arg("pick_stride"),
+      py::arg("dtype"), py::arg("stream"));
 }

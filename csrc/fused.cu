@@ -10,7 +10,9 @@
 //   router_logits  logits = x W^T in fp32 (x in the model dtype, W fp32): the router's matmul at decode sizes
 //   moe_route    sigmoid scores, top-k on score + bias, weights renormalised and scaled
 //   moe_align    (token, pick) pairs grouped by expert: positions and group ends
-//   moe_combine  out = round(sum_j w_j * y[pos_j]) (+ addend), summed in pick order
+//   moe_combine  out = round(sum_j w_j * y[row_j]) (+ addend), summed in pick order; row_j = pos_j, or
+//                ids_j * T + t for every expert's output on every token (expert-major y)
+//   advance_decode  the CUDA-graph decode buffers moved one step on (multi-step decoding)
 #include "kernel_common.h"
 
 namespace atom {
@@ -18,7 +20,7 @@ namespace {
 
 constexpr int kRowsPerBlock = 8;  // one 32-thread group per row
 constexpr int kThreads = 256;
-constexpr int64_t kRouterMaxDim = 12288;
+constexpr int kNormThreads = 512;  // rms_norm's largest block
 
 // ---- rms_norm ---------------------------------------------------------------------------------------------------
 
@@ -39,11 +41,13 @@ __device__ float block_sum(float v) {
 // the row is first s = round(x + r) (written to sum), then normalised: the
 // residual add of the layer before, fused.
 //
-// kPer > 0: the row sits in registers, kPer elements a thread (dim <= kPer *
-// blockDim): every load is issued before the first is used, so a row costs a
-// few memory latencies, not one per element. kPer == 0: any dim, in loops.
-template <typename T, int kPer>
-__global__ void __launch_bounds__(kThreads)
+// kVecs > 0: every row pointer 16-byte aligned and dim a multiple of a
+// vector (16 bytes of T): each thread loads kVecs vectors of x (and r, and
+// the weight) at once, so a row costs one memory latency, not one per
+// element (dim 2304 in bf16: 288 threads, one vector each). kVecs == 0: any
+// dim and alignment, element by element in loops.
+template <typename T, int kVecs>
+__global__ void __launch_bounds__(kNormThreads)
     rms_norm_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ residual, int64_t residual_stride,
                     T* __restrict__ sum, int64_t sum_stride, const T* __restrict__ weight, T* __restrict__ out,
                     int64_t out_stride, int dim, float eps) {
@@ -53,35 +57,47 @@ __global__ void __launch_bounds__(kThreads)
   T* sr = sum == nullptr ? nullptr : sum + row * sum_stride;
   T* o = out + row * out_stride;
   float ss = 0.f;
-  if constexpr (kPer > 0) {
-    float v[kPer], w[kPer];
+  if constexpr (kVecs > 0) {
+    constexpr int kN = 16 / sizeof(T);
+    using V = Pack<T, kN>;
+    const int nvec = dim / kN;
+    V xv[kVecs], wv[kVecs], rv[kVecs];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int d = threadIdx.x + i * blockDim.x;
-      v[i] = d < dim ? to_float(xr[d]) : 0.f;
-      w[i] = d < dim ? to_float(weight[d]) : 0.f;
-    }
-    if (rr != nullptr) {
-      float r[kPer];
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int d = threadIdx.x + i * blockDim.x;
-        r[i] = d < dim ? to_float(rr[d]) : 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int d = threadIdx.x + i * blockDim.x;
-        v[i] = round_to<T>(v[i] + r[i]);
-        if (d < dim) sr[d] = from_float<T>(v[i]);
+    for (int i = 0; i < kVecs; ++i) {  // every load issued before the first use
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < nvec) {
+        xv[i] = reinterpret_cast<const V*>(xr)[c];
+        wv[i] = reinterpret_cast<const V*>(weight)[c];
+        if (rr != nullptr) rv[i] = reinterpret_cast<const V*>(rr)[c];
       }
     }
+    float v[kVecs][kN];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) ss = fmaf(v[i], v[i], ss);
+    for (int i = 0; i < kVecs; ++i) {
+      const bool in = threadIdx.x + i * blockDim.x < nvec;
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        v[i][j] = in ? to_float(xv[i].v[j]) : 0.f;
+        if (rr != nullptr) v[i][j] = in ? round_to<T>(v[i][j] + to_float(rv[i].v[j])) : 0.f;
+        ss = fmaf(v[i][j], v[i][j], ss);
+      }
+      if (rr != nullptr && in) {
+        V s;
+#pragma unroll
+        for (int j = 0; j < kN; ++j) s.v[j] = from_float<T>(v[i][j]);
+        reinterpret_cast<V*>(sr)[threadIdx.x + i * blockDim.x] = s;
+      }
+    }
     const float inv = rsqrtf(block_sum(ss) / dim + eps);
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int d = threadIdx.x + i * blockDim.x;
-      if (d < dim) o[d] = from_float<T>(w[i] * round_to<T>(v[i] * inv));
+    for (int i = 0; i < kVecs; ++i) {
+      const int c = threadIdx.x + i * blockDim.x;
+      if (c < nvec) {
+        V r;
+#pragma unroll
+        for (int j = 0; j < kN; ++j) r.v[j] = from_float<T>(to_float(wv[i].v[j]) * round_to<T>(v[i][j] * inv));
+        reinterpret_cast<V*>(o)[c] = r;
+      }
     }
   } else {
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
@@ -138,39 +154,73 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
 
 // ---- router_logits ----------------------------------------------------------------------------------------------
 
-// One block per token: the row staged once in shared memory as fp32, then each
-// 32-thread group takes experts in turn, reading the fp32 weight row with
-// 16-byte loads where it can (vec: dim % 4 == 0 and a 16-byte aligned w).
+// One block of 32 groups (1024 threads) per token, no shared staging: each
+// expert's dot product is split over `split` groups (E = 16: two groups of 32
+// lanes per expert, each over half the dim), each lane issuing kRouterBatch
+// 16-byte weight loads (4 with fp32 x: registers), with the matching x
+// elements, before its first FMA.
+// Both the weight and the token's row come from L2 after the first block.
+// vec: dim % 4 == 0, w 16-byte aligned and x's rows aligned to 4 elements;
+// else element by element.
+constexpr int kRouterThreads = 1024;
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kRouterThreads)
     router_logits_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
-                         float* __restrict__ logits, int experts, int dim, bool vec) {
-  float* row = dynamic_shared<float>();  // dim
+                         float* __restrict__ logits, int experts, int dim, int split, bool vec) {
+  constexpr int kRouterBatch = sizeof(T) == 4 ? 4 : 5;
+  __shared__ float partial[kRouterThreads / kGroup];
   const int64_t t = blockIdx.x;
   const T* xr = x + t * x_stride;
-  for (int d = threadIdx.x; d < dim; d += blockDim.x) row[d] = to_float(xr[d]);
-  __syncthreads();
-  const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup, groups = blockDim.x / kGroup;
-  for (int e = group; e < experts; e += groups) {
-    const float* we = w + static_cast<int64_t>(e) * dim;
+  const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+  const int per_round = blockDim.x / kGroup / split;  // experts summed at once
+  const int part = group % split, lanes = split * kGroup, l = part * kGroup + lane;
+  for (int e0 = 0; e0 < experts; e0 += per_round) {  // the same trip count in every group (syncs inside)
+    const int e = e0 + group / split;
     float acc = 0.f;
-    if (vec) {
-      const float4* w4 = reinterpret_cast<const float4*>(we);
-      const float4* r4 = reinterpret_cast<const float4*>(row);
-#pragma unroll 6
-      for (int i = lane; i < dim / 4; i += kGroup) {
-        const float4 a = r4[i], b = w4[i];
-        acc = fmaf(a.x, b.x, acc);
-        acc = fmaf(a.y, b.y, acc);
-        acc = fmaf(a.z, b.z, acc);
-        acc = fmaf(a.w, b.w, acc);
+    if (e < experts && group / split < per_round) {
+      const float* we = w + static_cast<int64_t>(e) * dim;
+      if (vec) {
+        using X4 = Pack<T, 4>;
+        const int n4 = dim / 4;
+        for (int base = l; base < n4; base += lanes * kRouterBatch) {
+          float4 wv[kRouterBatch];
+          X4 xv[kRouterBatch];
+#pragma unroll
+          for (int c = 0; c < kRouterBatch; ++c) {
+            const int i = base + c * lanes;
+            if (i < n4) {
+              wv[c] = reinterpret_cast<const float4*>(we)[i];
+              xv[c] = reinterpret_cast<const X4*>(xr)[i];
+            }
+          }
+#pragma unroll
+          for (int c = 0; c < kRouterBatch; ++c) {
+            if (base + c * lanes < n4) {
+              acc = fmaf(to_float(xv[c].v[0]), wv[c].x, acc);
+              acc = fmaf(to_float(xv[c].v[1]), wv[c].y, acc);
+              acc = fmaf(to_float(xv[c].v[2]), wv[c].z, acc);
+              acc = fmaf(to_float(xv[c].v[3]), wv[c].w, acc);
+            }
+          }
+        }
+      } else {
+        for (int d = l; d < dim; d += lanes) acc = fmaf(to_float(xr[d]), we[d], acc);
       }
-    } else {
-#pragma unroll 8
-      for (int d = lane; d < dim; d += kGroup) acc = fmaf(row[d], we[d], acc);
     }
     acc = group_sum(acc);
-    if (lane == 0) logits[t * experts + e] = acc;
+    if (split == 1) {
+      if (lane == 0 && e < experts) logits[t * experts + e] = acc;
+      continue;
+    }
+    if (lane == 0) partial[group] = acc;
+    __syncthreads();
+    if (part == 0 && lane == 0 && e < experts && group / split < per_round) {
+      float total = 0.f;
+      for (int s = 0; s < split; ++s) total += partial[group + s];
+      logits[t * experts + e] = total;
+    }
+    __syncthreads();  // partial[] is rewritten next round
   }
 }
 
@@ -306,15 +356,37 @@ __global__ void __launch_bounds__(kAlignThreads)
 
 template <typename T>
 __global__ void moe_combine_kernel(const T* y, const int64_t* pos, const float* weights, const T* addend, T* out,
-                                   int64_t tokens, int top_k, int64_t dim) {
+                                   int64_t tokens, int top_k, int64_t dim, int64_t pick_stride) {
   const int64_t n = tokens * dim;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / dim, d = i % dim;
     float acc = 0.f;
-    for (int j = 0; j < top_k; ++j) acc += to_float(y[pos[t * top_k + j] * dim + d]) * weights[t * top_k + j];
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t p = pos[t * top_k + j], row = pick_stride > 0 ? p * pick_stride + t : p;
+      acc += to_float(y[row * dim + d]) * weights[t * top_k + j];
+    }
     out[i] = addend != nullptr ? from_float<T>(round_to<T>(acc) + to_float(addend[i])) : from_float<T>(acc);
   }
+}
+
+// ---- advance_decode -----------------------------------------------------------------------------------------
+
+// The decode buffers' rows, in the order the CUDA-graph buffers hold them (atom/worker/cuda_graph.py).
+enum DecodeRow { kInputIds, kPositions, kSlotMapping, kStateSlots, kStateOutSlots, kHasInitialState, kSeqLens };
+
+__global__ void advance_decode_kernel(int64_t* rows, int64_t row_stride, const int64_t* tables, int64_t table_stride,
+                                      const int64_t* next_ids, int64_t n, int64_t block_size) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= n) return;
+  auto at = [&](DecodeRow r) -> int64_t& { return rows[r * row_stride + c]; };
+  const int64_t pos = at(kPositions) + 1;
+  at(kInputIds) = next_ids[c];
+  at(kPositions) = pos;
+  at(kSeqLens) += 1;
+  at(kHasInitialState) = 1;
+  at(kStateSlots) = at(kStateOutSlots);
+  at(kSlotMapping) = tables[c * table_stride + pos / block_size] * block_size + pos % block_size;
 }
 
 unsigned elementwise_blocks(int64_t n) {
@@ -331,9 +403,14 @@ const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t 
   if ((residual == 0) != (sum == 0)) return "rms_norm: a residual needs a sum output, and only then";
   if (rows == 0) return nullptr;
   if (rows > INT32_MAX) return "rms_norm: too many rows";
-  const int threads = dim >= kThreads ? kThreads : static_cast<int>(ceil_div(dim, kGroup) * kGroup);
-  const int64_t per = ceil_div(dim, threads);
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "rms_norm", [&]() {
+    constexpr int64_t kN = 16 / sizeof(scalar_t);  // elements per 16-byte vector
+    const auto aligned = [&](uintptr_t p, int64_t stride) { return p % 16 == 0 && stride % kN == 0; };
+    const bool vec = dim % kN == 0 && aligned(x, x_stride) && aligned(weight, 0) && aligned(out, out_stride) &&
+                     (residual == 0 || (aligned(residual, residual_stride) && aligned(sum, sum_stride)));
+    const int64_t units = vec ? dim / kN : dim;  // what the threads share out: vectors, or elements
+    const int threads = static_cast<int>(units >= kNormThreads ? kNormThreads : ceil_div(units, kGroup) * kGroup);
+    const int64_t per = ceil_div(units, threads);
     auto launch = [&](auto kernel) {
       kernel<<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
           reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const scalar_t*>(residual),
@@ -341,10 +418,9 @@ const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t 
           reinterpret_cast<scalar_t*>(out), out_stride, static_cast<int>(dim), static_cast<float>(eps));
       return last_launch_error();
     };
-    if (per <= 1) return launch(rms_norm_kernel<scalar_t, 1>);
-    if (per <= 4) return launch(rms_norm_kernel<scalar_t, 4>);
-    if (per <= 8) return launch(rms_norm_kernel<scalar_t, 8>);
-    if (per <= 16) return launch(rms_norm_kernel<scalar_t, 16>);
+    if (vec && per == 1) return launch(rms_norm_kernel<scalar_t, 1>);
+    if (vec && per == 2) return launch(rms_norm_kernel<scalar_t, 2>);
+    if (vec && per <= 4) return launch(rms_norm_kernel<scalar_t, 4>);
     return launch(rms_norm_kernel<scalar_t, 0>);
   });
 }
@@ -378,13 +454,14 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
 const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens,
                           int64_t experts, int64_t dim, int dtype, uintptr_t stream) {
   if (tokens < 0 || experts < 1 || dim < 1) return "router_logits: needs tokens >= 0, experts >= 1, dim >= 1";
-  if (dim > kRouterMaxDim) return "router_logits: dim above 12288 (the row is staged in 48 KB of shared memory)";
   if (tokens == 0) return nullptr;
-  const bool vec = dim % 4 == 0 && weight % 16 == 0;
+  const int64_t groups = kRouterThreads / kGroup;
+  const int split = static_cast<int>(experts >= groups ? 1 : groups / experts);  // groups summing one expert
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "router_logits", [&]() {
-    router_logits_kernel<scalar_t><<<static_cast<unsigned>(tokens), kThreads, dim * sizeof(float), as_stream(stream)>>>(
+    const bool vec = dim % 4 == 0 && weight % 16 == 0 && x % (4 * sizeof(scalar_t)) == 0 && x_stride % 4 == 0;
+    router_logits_kernel<scalar_t><<<static_cast<unsigned>(tokens), kRouterThreads, 0, as_stream(stream)>>>(
         reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
-        reinterpret_cast<float*>(logits), static_cast<int>(experts), static_cast<int>(dim), vec);
+        reinterpret_cast<float*>(logits), static_cast<int>(experts), static_cast<int>(dim), split, vec);
     return last_launch_error();
   });
 }
@@ -415,16 +492,27 @@ const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top
 }
 
 const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens,
-                        int64_t top_k, int64_t dim, int dtype, uintptr_t stream) {
+                        int64_t top_k, int64_t dim, int64_t pick_stride, int dtype, uintptr_t stream) {
   if (tokens < 0 || top_k < 1 || dim < 1) return "moe_combine: needs tokens >= 0, top_k >= 1, dim >= 1";
   if (tokens == 0) return nullptr;
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "moe_combine", [&]() {
     moe_combine_kernel<scalar_t><<<elementwise_blocks(tokens * dim), kThreads, 0, as_stream(stream)>>>(
         reinterpret_cast<const scalar_t*>(y), reinterpret_cast<const int64_t*>(pos),
         reinterpret_cast<const float*>(weights), reinterpret_cast<const scalar_t*>(addend),
-        reinterpret_cast<scalar_t*>(out), tokens, static_cast<int>(top_k), dim);
+        reinterpret_cast<scalar_t*>(out), tokens, static_cast<int>(top_k), dim, pick_stride);
     return last_launch_error();
   });
+}
+
+const char* advance_decode(uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride,
+                           uintptr_t next_ids, int64_t n, int64_t block_size, uintptr_t stream) {
+  if (n < 0 || block_size < 1) return "advance_decode: needs n >= 0 and block_size >= 1";
+  if (row_stride < n) return "advance_decode: row_stride < n (the rows would overlap)";
+  if (n == 0) return nullptr;
+  advance_decode_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, as_stream(stream)>>>(
+      reinterpret_cast<int64_t*>(rows), row_stride, reinterpret_cast<const int64_t*>(tables), table_stride,
+      reinterpret_cast<const int64_t*>(next_ids), n, block_size);
+  return last_launch_error();
 }
 
 }  // namespace atom

@@ -85,6 +85,12 @@ __device__ __forceinline__ int64_t load_index(const void* p, int64_t i, bool is6
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// n elements of T loaded or stored as one vector (n * sizeof(T) bytes, aligned to that).
+template <typename T, int n>
+struct alignas(n * sizeof(T)) Pack {
+  T v[n];
+};
+
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace atom

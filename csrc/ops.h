@@ -171,7 +171,7 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
                      uintptr_t stream);
 
 // router_logits: logits fp32 [tokens, experts] = x [tokens, dim] (row stride,
-// `dtype`) times weight fp32 [experts, dim]^T, summed in fp32. dim <= 12288.
+// `dtype`) times weight fp32 [experts, dim]^T, summed in fp32.
 const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens,
                           int64_t experts, int64_t dim, int dtype, uintptr_t stream);
 
@@ -192,11 +192,22 @@ const char* moe_route(uintptr_t logits, int64_t logits_stride, uintptr_t bias, i
 const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
                       uintptr_t ends, uintptr_t stream);
 
+// advance_decode: multi-step decoding's per-step update of the decode buffers.
+// rows int64 [7, row_stride]: input_ids | positions | slot_mapping |
+// state_slots | state_out_slots | has_initial_state | seq_lens; tables int64
+// [n, table_stride] block tables; next_ids int64 [n]. For each column c < n:
+// input_ids = next_ids, positions and seq_lens + 1, has_initial_state = 1,
+// state_slots = state_out_slots, slot_mapping = the new position's cache slot.
+const char* advance_decode(uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride,
+                           uintptr_t next_ids, int64_t n, int64_t block_size, uintptr_t stream);
+
 // moe_combine: out [tokens, dim] = round(sum_j weights[t, j] * y[pos[t * top_k
 // + j]]) summed in fp32 in pick order, plus addend [tokens, dim] (0 = none)
 // rounded as a separate add; y [pairs, dim], out and addend `dtype`,
-// contiguous; weights fp32 [tokens, top_k].
+// contiguous; weights fp32 [tokens, top_k]. With pick_stride > 0, pos holds
+// expert ids and the row of pick j of token t is pos[t * top_k + j] *
+// pick_stride + t (y expert-major: every expert's output on every token).
 const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens,
-                        int64_t top_k, int64_t dim, int dtype, uintptr_t stream);
+                        int64_t top_k, int64_t dim, int64_t pick_stride, int dtype, uintptr_t stream);
 
 }  // namespace atom

@@ -32,8 +32,9 @@ def _cpu_and_gpu(*tensors):
     return [t.cpu() for t in tensors], [t.cuda() for t in tensors]
 
 
-# dims for each register-staged kernel (1, 4, 8, 16 elements a thread) and the looping one (> 16 a thread)
-RMS_SHAPES = [(1, 2304), (7, 100), (64, 2304), (300, 33), (5, 1000), (3, 2048), (4, 5000), (2, 7168)]
+# dims for the vector kernel with 1, 2 and 4 16-byte vectors a thread (2304 in bf16: one; in fp32: two),
+# and for the element loop: dims that are no multiple of a vector (100 in bf16, 33), or too long (20000)
+RMS_SHAPES = [(1, 2304), (7, 100), (64, 2304), (300, 33), (5, 1000), (3, 2048), (4, 5000), (2, 7168), (2, 20000)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,9 +70,12 @@ def test_rms_norm_strided_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,experts,dim", [(1, 16, 2304), (64, 16, 2304), (7, 5, 33), (3, 40, 1000)])
+@pytest.mark.parametrize(
+    "tokens,experts,dim", [(1, 16, 2304), (64, 16, 2304), (7, 5, 33), (3, 40, 1000), (5, 256, 7168), (2, 1, 20000)]
+)
 def test_router_logits(dtype, tokens, experts, dim):
-    """x in the model dtype times the fp32 router weight, summed in fp32 (dim 33: the scalar-load path)."""
+    """x in the model dtype times the fp32 router weight, summed in fp32: one expert split over up to 32
+    lane groups (E = 1, 5, 16) or several experts a group (E = 40, 256); dim 33: the element path."""
     x, w = torch.randn(tokens, dim).to(dtype), torch.randn(experts, dim) * dim**-0.5
     _poison_allocator()
     out = fused.router_logits(x.cuda(), w.cuda())
@@ -139,3 +143,39 @@ def test_moe_combine(dtype, tokens, top_k, dim, with_addend):
     _poison_allocator()
     out = fused.moe_combine(y.cuda(), pos.cuda(), weights.cuda(), None if addend is None else addend.cuda())
     assert rel_err(out, fused.moe_combine_ref(y, pos, weights, addend)) < TOL[dtype]
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k,dim", [(64, 16, 4, 2304), (5, 7, 3, 50)])
+def test_moe_combine_expert_major(dtype, tokens, experts, top_k, dim):
+    """y holds every expert's output on every token (row e * T + t); pos holds the picked expert ids."""
+    y = torch.randn(experts * tokens, dim).to(dtype)
+    ids = torch.rand(tokens, experts).topk(top_k, dim=-1).indices
+    weights, addend = torch.rand(tokens, top_k), torch.randn(tokens, dim).to(dtype)
+    _poison_allocator()
+    out = fused.moe_combine(y.cuda(), ids.cuda(), weights.cuda(), addend.cuda(), expert_major=True)
+    rows = (ids * tokens + torch.arange(tokens).unsqueeze(1)).flatten()
+    assert rel_err(out, fused.moe_combine_ref(y, rows, weights, addend)) < TOL[dtype]
+
+@pytest.mark.parametrize("n,width,block_size", [(1, 4, 16), (11, 16, 4), (300, 320, 1)])
+def test_advance_decode(n, width, block_size):
+    """The decode buffers one step on: columns < n exactly as the reference moves them, the rest untouched."""
+    gen = torch.Generator().manual_seed(n)
+    tables = torch.randint(0, 5000, (width, 40), generator=gen)
+    rows = torch.randint(-1, 1000, (7, width), generator=gen)
+    # positions whose next one still has a block in the 40-column tables
+    rows[fused.POSITIONS] = torch.randint(0, 40 * block_size - 1, (width,), generator=gen)
+    next_ids = torch.randint(0, 32000, (n,), generator=gen)
+    got_rows, got_tables = rows.cuda(), tables.cuda()
+    fused.advance_decode(got_rows, got_tables, next_ids.cuda(), block_size)
+    fused.advance_decode_ref(rows, tables, next_ids, block_size)
+    assert torch.equal(got_rows.cpu(), rows) and torch.equal(got_tables.cpu(), tables)
+
+
+def test_router_logits_unaligned_rows():
+    """Rows of a wider tensor, offset so no row is 16-byte aligned: the element-by-element path."""
+    wide, w = torch.randn(5, 2310).to(torch.bfloat16), torch.randn(16, 2304) * 2304**-0.5
+    _poison_allocator()
+    out = fused.router_logits(wide.cuda()[:, 3:2307], w.cuda())
+    assert rel_err(out, fused.router_logits_ref(wide[:, 3:2307], w)) < 1e-5

@@ -191,11 +191,9 @@ class RoutedExperts(nn.ModuleList):
         once either way; the batched matmuls read them faster than grouped ones over a few rows
         per expert, and need no regrouping of the tokens.
         """
-        tokens = x.shape[0]
         gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
         y = torch.matmul(silu_mul(gate_up), self.down_proj.transpose(1, 2))  # [E, T, D]
-        rows = ids * tokens + torch.arange(tokens, device=x.device).unsqueeze(1)  # pick j of token t: y[ids, t]
-        return moe_combine(y.view(-1, y.shape[-1]), rows.flatten(), weights, addend)
+        return moe_combine(y.view(-1, y.shape[-1]), ids, weights, addend, expert_major=True)  # pick j of t: y[ids, t]
 
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, combined with zero weight for the unpicked: no host sync.

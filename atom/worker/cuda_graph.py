@@ -42,12 +42,13 @@ from atom.engine.scheduler_output import ScheduledRequest
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from atom.layers.moe import DENSE_MAX_TOKENS
 from atom.ops._C_loader import use_kernels
+from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_OUT_SLOTS,
+                                 STATE_SLOTS, advance_decode)
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-# rows of the static int64 buffer
-INPUT_IDS, POSITIONS, SLOT_MAPPING, STATE_SLOTS, STATE_OUT_SLOTS, HAS_INITIAL_STATE, SEQ_LENS = range(7)
+# rows of the static int64 buffer: INPUT_IDS, POSITIONS, ... SEQ_LENS (atom.ops.cuda.fused, shared with the kernel)
 _PADDING = (0, 0, -1, -1, -1, 0, 0)  # what each row holds in a padding column
 
 
@@ -233,17 +234,8 @@ def advance_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, next_ids
                            block_size: int) -> None:  # fmt: skip
     """The buffers of rows [:n] (n = len(next_ids)) moved one decode step on, in place on the
     device: input next_ids, position and length + 1, the state read from where the last step
-    wrote it, the cache slot of the new position from the block table."""
-    n = next_ids.shape[0]
-    cols = buffers[:, :n]
-    cols[INPUT_IDS] = next_ids
-    cols[POSITIONS] += 1
-    cols[SEQ_LENS] += 1
-    cols[HAS_INITIAL_STATE] = 1
-    cols[STATE_SLOTS] = cols[STATE_OUT_SLOTS]
-    pos = cols[POSITIONS]
-    block = tables[:n].gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
-    cols[SLOT_MAPPING] = block * block_size + pos % block_size
+    wrote it, the cache slot of the new position from the block table (one kernel on a GPU)."""
+    advance_decode(buffers, tables, next_ids, block_size)
 
 
 def _slot(s: ScheduledRequest, block_size: int) -> int:

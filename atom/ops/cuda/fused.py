@@ -13,6 +13,7 @@ so both paths round to the model dtype at the same points.
     moe_route     sigmoid router: top-k on score + bias, renormalised, scaled
     moe_align     (token, pick) pairs grouped by expert, for grouped matmuls
     moe_combine   each token's weighted sum over its picks (+ an addend)
+    advance_decode  multi-step decoding: the CUDA-graph decode buffers one step on
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     tokens, dim = x.shape
     if (not kernels_apply(x, weight) or weight.dtype != torch.float32 or tokens > ROUTER_KERNEL_MAX_TOKENS
-            or dim > 12288 or not weight.is_contiguous()):  # fmt: skip
+            or not weight.is_contiguous()):  # fmt: skip
         return router_logits_ref(x, weight)
     x2 = _rows(x)
     logits = torch.empty(tokens, weight.shape[0], dtype=torch.float32, device=x.device)
@@ -214,17 +215,26 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return src_token, pos, ends
 
 
+def _pick_rows(pos: torch.Tensor, tokens: int, expert_major: bool) -> torch.Tensor:
+    """Each pick's row of y: pos itself, or (expert_major: pos holds expert ids) ids * T + t."""
+    if not expert_major:
+        return pos
+    return (pos.view(tokens, -1) * tokens + torch.arange(tokens, device=pos.device).unsqueeze(1)).flatten()
+
+
 def moe_combine_ref(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                    addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    addend: torch.Tensor | None = None, expert_major: bool = False) -> torch.Tensor:  # fmt: skip
     tokens, top_k = weights.shape
-    picks = y[pos].view(tokens, top_k, -1).float()
+    picks = y[_pick_rows(pos, tokens, expert_major)].view(tokens, top_k, -1).float()
     out = (picks * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)
     return out if addend is None else out + addend
 
 
 def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
-                addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Each token's picks summed: y [T*k, D] grouped rows, pos [T*k] (moe_align), weights fp32 [T, k].
+                addend: torch.Tensor | None = None, expert_major: bool = False) -> torch.Tensor:  # fmt: skip
+    """Each token's picks summed: weights fp32 [T, k]; y [T*k, D] grouped rows with pos [T*k] each
+    pick's row (moe_align), or, ``expert_major``, y [E*T, D] every expert's output on every token
+    (row e * T + t) with pos [T, k] the picked expert ids.
 
     Sums in fp32 in pick order and rounds once to y's dtype; then adds
     ``addend`` [T, D] (e.g. the shared experts' output) as a separate add.
@@ -233,10 +243,43 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
     if not kernels_apply(y, pos, weights) or weights.dtype != torch.float32 or (
         addend is not None and addend.dtype != y.dtype
     ):
-        return moe_combine_ref(y, pos, weights, addend)
+        return moe_combine_ref(y, pos, weights, addend, expert_major)
     y = y.contiguous()
     out = torch.empty(tokens, y.shape[1], dtype=y.dtype, device=y.device)
     add_ptr = 0 if addend is None else addend.contiguous().data_ptr()
     C().moe_combine(y.data_ptr(), pos.contiguous().data_ptr(), weights.contiguous().data_ptr(), add_ptr,
-                    out.data_ptr(), tokens, top_k, y.shape[1], dtype_code(y.dtype), stream_of(y.device))  # fmt: skip
+                    out.data_ptr(), tokens, top_k, y.shape[1], tokens if expert_major else 0, dtype_code(y.dtype),
+                    stream_of(y.device))  # fmt: skip
     return out
+
+
+# -- advance_decode -----------------------------------------------------------------
+# The rows of the CUDA graphs' static int64 decode buffer (atom/worker/cuda_graph.py), in the
+# order csrc/fused.cu's DecodeRow enum names them.
+INPUT_IDS, POSITIONS, SLOT_MAPPING, STATE_SLOTS, STATE_OUT_SLOTS, HAS_INITIAL_STATE, SEQ_LENS = range(7)
+
+
+def advance_decode_ref(rows: torch.Tensor, tables: torch.Tensor, next_ids: torch.Tensor, block_size: int) -> None:
+    n = next_ids.shape[0]
+    cols = rows[:, :n]
+    cols[INPUT_IDS] = next_ids
+    cols[POSITIONS] += 1
+    cols[SEQ_LENS] += 1
+    cols[HAS_INITIAL_STATE] = 1
+    cols[STATE_SLOTS] = cols[STATE_OUT_SLOTS]
+    pos = cols[POSITIONS]
+    block = tables[:n].gather(1, (pos // block_size).unsqueeze(1)).squeeze(1)
+    cols[SLOT_MAPPING] = block * block_size + pos % block_size
+
+
+def advance_decode(rows: torch.Tensor, tables: torch.Tensor, next_ids: torch.Tensor, block_size: int) -> None:
+    """Moves columns [:n] (n = len(next_ids)) of the decode buffers ``rows`` [7, S] one decode step on,
+    in place: input next_ids, position and length + 1, the state read from where the last step wrote
+    it, the cache slot of the new position from the block tables [>= n, W]. One kernel on a GPU
+    (the reference is 11 small ones)."""
+    if (not kernels_apply(rows, tables, next_ids) or rows.stride(1) != 1 or tables.stride(1) != 1
+            or not next_ids.is_contiguous()
+            or not rows.dtype == tables.dtype == next_ids.dtype == torch.int64):  # fmt: skip
+        return advance_decode_ref(rows, tables, next_ids, block_size)
+    C().advance_decode(rows.data_ptr(), rows.stride(0), tables.data_ptr(), tables.stride(0), next_ids.data_ptr(),
+                       next_ids.shape[0], block_size, stream_of(rows.device))  # fmt: skip
