@@ -118,15 +118,23 @@ __global__ void __launch_bounds__(kNormThreads)
 
 // ---- silu_mul ---------------------------------------------------------------------------------------------------
 
-template <typename T>
+// kN elements a thread: 16-byte vectors where rows, strides and width allow (16 / sizeof(T)), else 1.
+template <typename T, int kN>
 __global__ void silu_mul_kernel(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows, int64_t width) {
-  const int64_t n = rows * width;
+  using V = Pack<T, kN>;
+  const int64_t vecs = width / kN, n = rows * vecs;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / width, c = i % width;
-    const float gate = to_float(x[r * x_stride + c]);
-    const float up = to_float(x[r * x_stride + width + c]);
-    out[r * out_stride + c] = from_float<T>(round_to<T>(gate / (1.f + expf(-gate))) * up);
+    const int64_t r = i / vecs, c = i % vecs * kN;
+    const V gate = *reinterpret_cast<const V*>(x + r * x_stride + c);
+    const V up = *reinterpret_cast<const V*>(x + r * x_stride + width + c);
+    V o;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const float a = to_float(gate.v[j]);
+      o.v[j] = from_float<T>(round_to<T>(a / (1.f + expf(-a))) * to_float(up.v[j]));
+    }
+    *reinterpret_cast<V*>(out + r * out_stride + c) = o;
   }
 }
 
@@ -430,9 +438,14 @@ const char* silu_mul(uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_s
   if (rows < 0 || width < 1) return "silu_mul: needs rows >= 0 and width >= 1";
   if (rows == 0) return nullptr;
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "silu_mul", [&]() {
-    silu_mul_kernel<scalar_t><<<elementwise_blocks(rows * width), kThreads, 0, as_stream(stream)>>>(
-        reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<scalar_t*>(out), out_stride, rows, width);
-    return last_launch_error();
+    constexpr int kN = 16 / sizeof(scalar_t);
+    const bool vec = x % 16 == 0 && out % 16 == 0 && width % kN == 0 && x_stride % kN == 0 && out_stride % kN == 0;
+    auto launch = [&](auto kernel, int n) {
+      kernel<<<elementwise_blocks(rows * width / n), kThreads, 0, as_stream(stream)>>>(
+          reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<scalar_t*>(out), out_stride, rows, width);
+      return last_launch_error();
+    };
+    return vec ? launch(silu_mul_kernel<scalar_t, kN>, kN) : launch(silu_mul_kernel<scalar_t, 1>, 1);
   });
 }
 

@@ -193,4 +193,7 @@ def _slots(state_slots: torch.Tensor, out_slots: torch.Tensor | None, batch: int
 def _flags(has_initial_state: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     if has_initial_state is None:
         return None
-    return has_initial_state.to(device=device, dtype=torch.uint8).contiguous()
+    flags = has_initial_state.to(device=device)
+    # a bool tensor is already one byte of 0/1 per flag: read it as uint8 in place (no cast kernel)
+    flags = flags.view(torch.uint8) if flags.dtype == torch.bool else flags.to(torch.uint8)
+    return flags.contiguous()
