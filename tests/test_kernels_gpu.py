@@ -388,7 +388,8 @@ def test_mla_decode(dtype, R, P, H, block_size, lens, splits, out_dtype):
 @pytest.mark.parametrize("kernel", [2, 3, 4, 5, 6, 7])  # MlaKernel: tensor-core variants, forced
 @pytest.mark.parametrize(
     "H, block_size, lens, splits",
-    [(32, 16, [1, 63, 64, 65, 1000], None), (40, 7, [500, 129, 0, 7], 3), (16, 64, [2048, 17], 1)],
+    [(32, 16, [1, 63, 64, 65, 1000], None), (40, 7, [500, 129, 0, 7], 3), (16, 64, [2048, 17], 1),
+     (32, 8, [9, 300], 2), (32, 128, [200, 64, 129], None)],
 )
 def test_mla_decode_tensor_core_variants(kernel, H, block_size, lens, splits):
     if kernel == 7 and not get_C().mla_decode_has_warpgroup_mma():
@@ -398,10 +399,32 @@ def test_mla_decode_tensor_core_variants(kernel, H, block_size, lens, splits):
     B = len(lens)
     ql, qp = _rand(B, H, 512, dtype=torch.bfloat16), _rand(B, H, 64, dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens)
-    expected = ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, 0.07)
     out = torch.full((B, H, 512), float("nan"), device="cuda")
     mla_decode(ql.cuda(), qp.cuda(), cache.cuda(), tables.cuda(), seq_lens.cuda(), 0.07, num_splits=splits, out=out,
                kernel=kernel)  # fmt: skip
+    assert rel_err(out, ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, 0.07)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("kernel", [0, 7])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
+    """Rows past each sequence's end (in its last block, and unused blocks) hold NaN: the output must not
+    see them (a kernel that brought whole blocks in would have to zero them: P = 0 times NaN is NaN)."""
+    if kernel == 7 and not get_C().mla_decode_has_warpgroup_mma():
+        pytest.skip("warpgroup MMAs need an sm_90a build on a compute capability 9.0 GPU")
+    lens = [1, 70, 129, 1000]
+    torch.manual_seed(block_size)
+    cache, tables = _paged_cache(lens, block_size, 576, torch.bfloat16)
+    for b, n in enumerate(lens):  # poison every row at and past the end of each sequence
+        for pos in range(n, -(-n // block_size) * block_size):
+            cache[tables[b, pos // block_size], pos % block_size] = float("nan")
+    cache[~torch.isin(torch.arange(cache.shape[0]), tables)] = float("nan")
+    ql, qp = _rand(len(lens), 32, 512, dtype=torch.bfloat16), _rand(len(lens), 32, 64, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens)
+    expected = ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, 0.07)
+    assert not expected.isnan().any()
+    out = mla_decode(ql.cuda(), qp.cuda(), cache.cuda(), tables.cuda(), seq_lens.cuda(), 0.07, kernel=kernel)
     assert rel_err(out, expected) < 1e-2
 
 
