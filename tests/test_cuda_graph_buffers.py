@@ -163,3 +163,98 @@ def test_static_buffers_with_preemption_match_eager(tmp_path, kernel_shaped_laye
     assert _generate(llm) == eager
     assert llm.engine.scheduler.num_preemptions > 0 and graphs.launched
     assert llm.engine.all_resources_free()
+
+
+def _graphs_on(llm: LLM) -> EagerDecodeGraphs:
+    runner = llm.engine.runner
+    runner.decode_graphs = EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device)
+    return runner.decode_graphs
+
+
+def _count_patches(graphs: EagerDecodeGraphs) -> list[bool]:
+    """Records, for each fill of the static buffers, whether input ids were patched from the device."""
+    seen: list[bool] = []
+    fill = graphs._fill
+    graphs._fill = lambda ids, rows, patch: seen.append(patch is not None) or fill(ids, rows, patch)
+    return seen
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_async_steps_chain_on_the_device(kimi_ckpt, kernel_shaped_layers, steps):
+    """With async scheduling, greedy decode steps (and rounds) on the graphs return with their tokens
+    still on the device; the next step takes its placeholders from there. The engine's update waits
+    for them. Tokens equal synchronous single steps; everything is freed."""
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    eager = _generate(LLM(kimi_ckpt, **kwargs))
+    llm = LLM(kimi_ckpt, async_scheduling=True, num_scheduler_steps=steps, **kwargs)
+    graphs = _graphs_on(llm)
+    patched = _count_patches(graphs)
+    core = llm.engine
+    waited = []
+    update = core.update
+    core.update = lambda sched, result: waited.append(result.wait is not None) or update(sched, result)
+    assert _generate(llm) == eager
+    assert sum(patched) >= 3  # steps whose inputs came from the device
+    assert sum(waited) >= 3  # steps whose tokens reached the host after execute returned
+    assert not core.runner._deferred or all(d.resolved for d in core.runner._deferred)
+    assert core.all_resources_free()
+
+
+def test_async_mixed_sampling_brings_tokens_home_first(kimi_ckpt, kernel_shaped_layers):
+    """A step that must read token histories on the host (penalties, seeded sampling) is not chained:
+    the runner resolves the steps in flight first. Same tokens as synchronous steps."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) for _ in PROMPTS]
+    params[2] = SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, max_tokens=10, ignore_eos=True)
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in LLM(kimi_ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(kimi_ckpt, async_scheduling=True, **kwargs)
+    _graphs_on(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.all_resources_free()
+
+
+def test_async_chained_streams_abandoned_mid_flight(kimi_ckpt, kernel_shaped_layers):
+    """AsyncEngine with chained steps: clients that walk away after their first chunk abort while their
+    next tokens are still on the device; the others keep the synchronous tokens; all is freed."""
+    import asyncio
+    import contextlib
+
+    from atom import AsyncEngine
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
+    plain = LLM(kimi_ckpt, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
+    reference = [o.outputs[0].token_ids
+                 for o in plain.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
+
+    async def run():
+        async with AsyncEngine.from_config(model=kimi_ckpt, dtype="float32", max_num_seqs=8,
+                                           max_num_batched_tokens=64, async_scheduling=True) as engine:
+            runner = engine.core.runner
+            runner.decode_graphs = EagerDecodeGraphs(engine.config, runner.model, runner.caches, runner.device)
+            patched = _count_patches(runner.decode_graphs)
+
+            async def one(i, prompt):
+                tokens = []
+                async with contextlib.aclosing(engine.generate({"prompt_token_ids": prompt}, greedy)) as stream:
+                    async for out in stream:
+                        tokens += out.new_token_ids
+                        if i % 2 == 1 and len(tokens) > 2:
+                            return None
+                return tokens
+
+            got = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            for _ in range(100):
+                if engine.all_resources_free():
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.all_resources_free()
+            assert sum(patched) >= 3
+            return got
+
+    got = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    for i, tokens in enumerate(got):
+        assert (tokens is None) == (i % 2 == 1)
+        if tokens is not None:
+            assert tokens == reference[i]

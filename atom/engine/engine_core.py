@@ -164,6 +164,8 @@ class EngineCore:
         return self.runner.execute_model(sched)
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        if result.wait is not None:  # its tokens were still being copied to the host
+            result.wait()
         changed = self.scheduler.update(sched, result)
         # Hand new producer holds to the worker half before anyone can see their params:
         # a consumer may pull as soon as the output reaches the client.

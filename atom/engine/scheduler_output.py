@@ -6,6 +6,7 @@ and answers with sampled tokens and logprobs keyed by request id.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from atom.sampling_params import SamplingParams
@@ -69,3 +70,6 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     # request id -> logprobs of the prompt positions covered this step (entry per token, None for position 0)
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # Set when the sampled tokens are still on their way to the host (async scheduling,
+    # atom/worker/deferred.py): call it before reading ``sampled``.
+    wait: Callable[[], None] | None = None

@@ -48,6 +48,8 @@ from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LE
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# (positions in the step's input ids, int64 device tensor of the ids to write there)
+InputPatch = tuple[list[int], torch.Tensor]
 # rows of the static int64 buffer: INPUT_IDS, POSITIONS, ... SEQ_LENS (atom.ops.cuda.fused, shared with the kernel)
 _PADDING = (0, 0, -1, -1, -1, 0, 0)  # what each row holds in a padding column
 
@@ -127,28 +129,40 @@ class DecodeGraphs:
             and max(len(s.block_ids) for s in rows) <= self.max_blocks
         )
 
-    def replay(self, input_ids: list[int], rows: list[ScheduledRequest]) -> torch.Tensor:
+    def replay(self, input_ids: list[int], rows: list[ScheduledRequest],
+               patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
         """Hidden states [n, D] of the step's n rows (a view into the graph's output buffer,
-        valid until the next replay)."""
-        size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.sizes,
-                                   self.block_size)
+        valid until the next replay). ``patch``: input ids still on the device, written over
+        theirs (a chained async step's placeholders, atom/worker/deferred.py)."""
+        size = self._fill(input_ids, rows, patch)
         return self._launch(size)[: len(rows)]
 
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
-                     next_tokens: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+                     next_tokens: Callable[[torch.Tensor], torch.Tensor],
+                     patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
         """Multi-step decoding on the device: ``num_steps`` replays back to back, each row's next
         input being ``next_tokens(hidden)`` of the replay before (e.g. lm_head + argmax), with
         positions, slots and lengths advanced on the device: no host sync between steps.
         Returns the tokens, int64 [num_steps, n] on the device."""
         n = len(rows)
-        size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.sizes,
-                                   self.block_size)
+        size = self._fill(input_ids, rows, patch)
         tokens = torch.empty(num_steps, n, dtype=torch.long, device=self.device)
         for step in range(num_steps):
             if step:
                 advance_decode_buffers(self.rows, self.tables, tokens[step - 1], self.block_size)
             tokens[step] = next_tokens(self._launch(size)[:n])
         return tokens
+
+    def _fill(self, input_ids: list[int], rows: list[ScheduledRequest], patch: InputPatch | None) -> int:
+        size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.sizes,
+                                   self.block_size)
+        if patch is not None:
+            positions, values = patch
+            if positions == list(range(positions[0], positions[0] + len(positions))):
+                self.rows[INPUT_IDS, positions[0] : positions[0] + len(positions)] = values
+            else:
+                self.rows[INPUT_IDS, torch.tensor(positions, device=self.device)] = values
+        return size
 
     def _launch(self, size: int) -> torch.Tensor:
         """Replays the graph of this size over the static buffers; its output buffer [size, D]."""

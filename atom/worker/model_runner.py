@@ -19,6 +19,7 @@ from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
 from atom.worker.cuda_graph import capture_decode_graphs
+from atom.worker.deferred import DeferredTokens, PinnedRing
 from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
@@ -55,6 +56,11 @@ class ModelRunner:
         self._pinned: torch.Tensor | None = None  # host landing buffer for sampled ids (_to_host)
         # captured pure-decode forwards (CUDA only; None: every step runs eagerly)
         self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
+        # Async scheduling: greedy steps on the graphs return before their tokens reach the host
+        # (atom/worker/deferred.py); these are the ones not yet known to be there, oldest first.
+        self.defer_tokens = config.async_scheduling and self.drafter is None
+        self._deferred: list[DeferredTokens] = []
+        self._ring = PinnedRing()
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -96,19 +102,44 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
+        chained = self._chains(sched)
+        if not chained:  # this step reads the host's token histories: bring in what is still in flight
+            self.resolve_deferred()
         if sched.num_steps > 1:
-            return self._execute_steps(sched)
+            return self._execute_steps(sched, chained)
         rows = sched.scheduled
-        hidden, starts = self._forward(rows)
+        hidden, starts = self._forward(rows, chained)
         out = RunnerOutput()
         self._prompt_logprobs(rows, starts, hidden, out)
-        self._sample(rows, starts, hidden, out)
+        self._sample(rows, starts, hidden, out, defer=chained)
         self._verify(rows, starts, hidden, out)
         if self.drafter is not None and out.sampled:
             self._propose(rows, starts, hidden, out)
         return out
 
-    def _execute_steps(self, sched: SchedulerOutput) -> RunnerOutput:
+    def _chains(self, sched: SchedulerOutput) -> bool:
+        """Whether this step runs ahead of the host (deferred tokens): greedy pure decode on the
+        graphs, every row sampling, with async scheduling and no drafter."""
+        rows, graphs = sched.scheduled, self.decode_graphs
+        return (self.defer_tokens and graphs is not None and graphs.covers(rows) and all(s.sample for s in rows)
+                and all(self.requests[s.request_id].plain_greedy for s in rows))  # fmt: skip
+
+    def resolve_deferred(self) -> None:
+        """Every step's tokens on the host (waits for the copies still in flight)."""
+        for deferred in self._deferred:
+            deferred.resolve()
+        self._deferred.clear()
+
+    def _defer(self, tokens: torch.Tensor, rows: list[ScheduledRequest], out: RunnerOutput) -> None:
+        """Leave a step's tokens [k, n] on the device, their copy to the host queued behind them."""
+        slot, host = self._ring.take(tokens.numel(), pin=tokens.device.type == "cuda")
+        histories = [self.requests[s.request_id].output_token_ids for s in rows]
+        deferred = DeferredTokens(tokens, [s.request_id for s in rows], histories, out, host)
+        self._ring.lend(slot, deferred)
+        self._deferred = [d for d in self._deferred if not d.resolved] + [deferred]
+        out.wait = deferred.resolve
+
+    def _execute_steps(self, sched: SchedulerOutput, chained: bool) -> RunnerOutput:
         """Multi-step decoding: ``sched.num_steps`` decode steps, each row's next input being the
         token it just sampled (its blocks are allocated for all of them). Sampling runs per
         step exactly as in single steps (seeds, penalties, logprobs), so the tokens are the same."""
@@ -118,8 +149,12 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.covers(rows) and all(st.plain_greedy for st in states):
             # greedy on the device end to end: the steps run back to back, one copy to the host at the end
-            tokens = graphs.replay_steps(self._token_ids(rows), rows, sched.num_steps,
-                                         lambda hidden: self.model.compute_logits(hidden).argmax(dim=-1))
+            ids, patch = self._token_ids(rows, on_device=chained)
+            tokens = graphs.replay_steps(ids, rows, sched.num_steps,
+                                         lambda hidden: self.model.compute_logits(hidden).argmax(dim=-1), patch)
+            if chained:
+                self._defer(tokens, rows, out)
+                return out
             flat, n = self._to_host(tokens.flatten()), len(rows)  # step-major
             for i, (s, st) in enumerate(zip(rows, states)):
                 out.sampled[s.request_id] = flat[i::n]
@@ -138,10 +173,11 @@ class ModelRunner:
                             state_slot=s.state_out_slot) for s in rows]  # fmt: skip
         return out
 
-    def _forward(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, rows: list[ScheduledRequest], chained: bool = False) -> tuple[torch.Tensor, list[int]]:
         """Hidden states [T, D] of the step's flat batch, and its query_start_loc."""
         if self.decode_graphs is not None and self.decode_graphs.covers(rows):
-            return self.decode_graphs.replay(self._token_ids(rows), rows), list(range(len(rows) + 1))
+            ids, patch = self._token_ids(rows, on_device=chained)
+            return self.decode_graphs.replay(ids, rows, patch), list(range(len(rows) + 1))
         input_ids, positions = self._flat_inputs(rows)
         meta = build_attention_metadata(
             query_lens=[len(s.token_ids) for s in rows],
@@ -156,31 +192,58 @@ class ModelRunner:
         with set_forward_context(ForwardContext(meta, self.caches)):
             return self.model(input_ids, positions), meta.query_start_loc
 
-    def _token_ids(self, rows: list[ScheduledRequest]) -> list[int]:
+    def _token_ids(self, rows: list[ScheduledRequest],
+                   on_device: bool = False) -> tuple[list[int], tuple[list[int], torch.Tensor] | None]:  # fmt: skip
+        """The step's input ids, placeholders filled in with the token each request sampled last.
+
+        Without ``on_device`` those tokens are on the host (``execute_model`` resolved every
+        deferred step first). With it (a chained decode step: one token a row), a token still on
+        the device stays there: its id here is 0, and the patch (positions, device tokens) says
+        what to write over them on the device.
+        """
+        newest = self._deferred[-1] if on_device and self._deferred else None
         ids: list[int] = []
+        positions, columns = [], []
         for s in rows:
-            if PLACEHOLDER in s.token_ids:  # sampled by the previous step, which has finished by now
-                last = self.requests[s.request_id].output_token_ids[-1]
-                ids.extend(last if t == PLACEHOLDER else t for t in s.token_ids)
-            else:
+            if PLACEHOLDER not in s.token_ids:
                 ids.extend(s.token_ids)
-        return ids
+                continue
+            column = newest.columns.get(s.request_id) if newest is not None and not newest.resolved else None
+            if column is not None:
+                positions.append(len(ids))
+                columns.append(column)
+                ids.append(0)
+                continue
+            last = self.requests[s.request_id].output_token_ids[-1]  # its step has reached the host
+            ids.extend(last if t == PLACEHOLDER else t for t in s.token_ids)
+        if not positions:
+            return ids, None
+        last_tokens = newest.tokens[-1]
+        if columns == list(range(columns[0], columns[0] + len(columns))):  # the usual case: same rows, same order
+            values = last_tokens[columns[0] : columns[0] + len(columns)]
+        else:
+            values = last_tokens[torch.tensor(columns, device=last_tokens.device)]
+        return ids, (positions, values)
 
     def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self._token_ids(rows)
+        ids, _ = self._token_ids(rows)
         pos = [p for s in rows for p in range(s.context_len, s.context_len + len(s.token_ids))]
         return (
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(pos, dtype=torch.long, device=self.device),
         )
 
-    def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
-        """Plain sampling: one token from the last position of each row that samples without drafts."""
+    def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False) -> None:
+        """Plain sampling: one token from the last position of each row that samples without drafts.
+        ``defer`` (a chained step: every row greedy and sampling): the tokens stay on the device."""
         picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
         last = torch.tensor([starts[i + 1] - 1 for i, _ in picked], device=self.device)
         logits = self.model.compute_logits(hidden[last])
+        if defer:
+            self._defer(logits.argmax(dim=-1).unsqueeze(0), [s for _, s in picked], out)
+            return
         states = [self.requests[s.request_id] for _, s in picked]
         if all(st.plain_greedy for st in states):  # no per-row parameters to upload
             for (_, s), st, token in zip(picked, states, self._to_host(logits.argmax(dim=-1))):

@@ -1,0 +1,88 @@
+"""Sampled tokens whose copy to the host is still in flight (async scheduling).
+
+With async scheduling the engine plans step N+1 while step N runs, and N+1's
+decode rows carry a placeholder for the token N samples. If the runner waited
+for N's tokens before returning, the GPU would sit idle from the end of N
+until the runner had filled in N+1's inputs and launched it. Instead, a
+greedy step on the CUDA graphs returns at once with its tokens still on the
+device: the copy to the host is queued behind them, and the next step takes
+its placeholders from the device tensor (``DeferredTokens.patch``), so it is
+queued right behind N.
+
+Whoever needs the tokens on the host first calls ``resolve()``: the engine's
+update of step N, or the runner before a step that must read them there
+(sampling with penalties, the eager path). It waits for the copy, appends
+each row's tokens to the runner's per-request history, and fills the step's
+``RunnerOutput``. It runs once (under a lock: the engine's thread and the
+runner's may both ask).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from atom.engine.scheduler_output import RunnerOutput
+
+
+class DeferredTokens:
+    """Tokens [k, n] (k steps of n rows, step-major) of one runner step, on their way to the host."""
+
+    def __init__(self, tokens: torch.Tensor, request_ids: list[str], histories: list[list[int]],
+                 out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip
+        self.tokens = tokens
+        self.columns = {rid: i for i, rid in enumerate(request_ids)}
+        self._request_ids, self._histories, self._out = request_ids, histories, out
+        self._host = host[: tokens.numel()]
+        self._host.copy_(tokens.flatten(), non_blocking=tokens.device.type == "cuda")
+        self._done = None
+        if tokens.device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._lock = threading.Lock()
+        self.resolved = False
+
+    def resolve(self) -> None:
+        """Wait for the copy; append each row's tokens to its history and to the step's output."""
+        with self._lock:
+            if self.resolved:
+                return
+            if self._done is not None:
+                self._done.synchronize()  # waits without the GIL
+            flat, n = self._host.tolist(), len(self._request_ids)
+            for i, (rid, history) in enumerate(zip(self._request_ids, self._histories)):
+                row = flat[i::n]
+                history.extend(row)
+                self._out.sampled[rid] = row
+            self.resolved = True
+
+    def last_token(self, request_id: str) -> torch.Tensor | None:
+        """The device scalar of this request's last sampled token, None if it is not a row here."""
+        col = self.columns.get(request_id)
+        return None if col is None else self.tokens[-1, col]
+
+
+class PinnedRing:
+    """A few pinned host buffers used in turn for deferred copies. A buffer is taken again only
+    once the copy that used it before has been resolved (resolving it first if need be)."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._buffers: list[torch.Tensor | None] = [None] * size
+        self._users: list[DeferredTokens | None] = [None] * size
+        self._next = 0
+
+    def take(self, numel: int, pin: bool) -> tuple[int, torch.Tensor]:
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        user = self._users[i]
+        if user is not None and not user.resolved:
+            user.resolve()
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, 256), dtype=torch.int64, pin_memory=pin)
+            self._buffers[i] = buf
+        return i, buf
+
+    def lend(self, i: int, user: DeferredTokens) -> None:
+        self._users[i] = user
