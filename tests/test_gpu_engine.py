@@ -116,15 +116,35 @@ def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypat
     rounds: list[int] = []
     inner = DecodeGraphs.replay_steps
 
-    def counting(self, input_ids, rows, num_steps, next_tokens):
-        rounds.append(num_steps)
-        return inner(self, input_ids, rows, num_steps, next_tokens)
+    def counting(self, *args):  # input_ids, rows, num_steps, next_tokens[, patch]
+        rounds.append(args[2])
+        return inner(self, *args)
 
     monkeypatch.setattr(DecodeGraphs, "replay_steps", counting)
     multi = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4,
                       async_scheduling=overlap)  # fmt: skip
     assert rounds and max(rounds) == 4
     assert multi == cpu
+
+
+def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_path, monkeypatch):
+    """Async scheduling on the graphs: each greedy step returns with its tokens on the device and the
+    next one takes its inputs from there (atom/worker/deferred.py)."""
+    from atom.worker.cuda_graph import DecodeGraphs
+
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    cpu = _generate(path)
+    patched: list[bool] = []
+    inner = DecodeGraphs._fill
+
+    def counting(self, input_ids, rows, patch):
+        patched.append(patch is not None)
+        return inner(self, input_ids, rows, patch)
+
+    monkeypatch.setattr(DecodeGraphs, "_fill", counting)
+    chained = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=True)
+    assert sum(patched) >= 3
+    assert chained == cpu
 
 
 @pytest.mark.parametrize("path", ["dispatch", "grouped", "all_experts"])
