@@ -239,8 +239,11 @@ class ModelRunner:
         picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
-        last = torch.tensor([starts[i + 1] - 1 for i, _ in picked], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
+        last = [starts[i + 1] - 1 for i, _ in picked]
+        if last == list(range(last[0], last[0] + len(last))):  # e.g. pure decode: a view, no index upload
+            logits = self.model.compute_logits(hidden[last[0] : last[0] + len(last)])
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
         if defer:
             self._defer(logits.argmax(dim=-1).unsqueeze(0), [s for _, s in picked], out)
             return
