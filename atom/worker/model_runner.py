@@ -197,9 +197,10 @@ class ModelRunner:
         """The step's input ids, placeholders filled in with the token each request sampled last.
 
         Without ``on_device`` those tokens are on the host (``execute_model`` resolved every
-        deferred step first). With it (a chained decode step: one token a row), a token still on
-        the device stays there: its id here is 0, and the patch (positions, device tokens) says
-        what to write over them on the device.
+        deferred step first). With it (a chained decode step: one token a row), a token of the
+        newest deferred step is taken from the device, whether or not its copy has reached the
+        host yet (so the path does not depend on the engine thread's timing): its id here is 0,
+        and the patch (positions, device tokens) says what to write over them on the device.
         """
         newest = self._deferred[-1] if on_device and self._deferred else None
         ids: list[int] = []
@@ -208,12 +209,14 @@ class ModelRunner:
             if PLACEHOLDER not in s.token_ids:
                 ids.extend(s.token_ids)
                 continue
-            column = newest.columns.get(s.request_id) if newest is not None and not newest.resolved else None
+            column = newest.columns.get(s.request_id) if newest is not None else None  # resolved or not
             if column is not None:
                 positions.append(len(ids))
                 columns.append(column)
                 ids.append(0)
                 continue
+            if newest is not None and not newest.resolved:  # not a row of the newest step: bring all home
+                self.resolve_deferred()
             last = self.requests[s.request_id].output_token_ids[-1]  # its step has reached the host
             ids.extend(last if t == PLACEHOLDER else t for t in s.token_ids)
         if not positions:
