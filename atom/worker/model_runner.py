@@ -58,7 +58,9 @@ class ModelRunner:
         self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
         # Async scheduling: greedy steps on the graphs return before their tokens reach the host
         # (atom/worker/deferred.py); these are the ones not yet known to be there, oldest first.
-        self.defer_tokens = config.async_scheduling and self.drafter is None
+        # Not with a KV connector: its transfers read the caches outside the stream's order, so
+        # there a step must have finished on the device when it returns.
+        self.defer_tokens = config.async_scheduling and self.drafter is None and config.kv_transfer_config is None
         self._deferred: list[DeferredTokens] = []
         self._ring = PinnedRing()
 
