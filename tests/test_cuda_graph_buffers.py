@@ -76,7 +76,7 @@ def test_static_buffer_forward_matches_eager(tmp_path, kernel_shaped_layers, var
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_device_side_multi_step_rounds_match_single_steps(kimi_ckpt, kernel_shaped_layers, overlap):
     """Multi-step rounds through the static buffers, advanced between steps by tensor ops alone
-    (``advance_decode_buffers``, as on the GPU), give the single-step tokens; with async
+    (``advance_decode``, as on the GPU), give the single-step tokens; with async
     scheduling too (a round's first input then is the last token of the round before)."""
     kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
     eager = _generate(LLM(kimi_ckpt, **kwargs))
@@ -93,11 +93,12 @@ def test_device_side_multi_step_rounds_match_single_steps(kimi_ckpt, kernel_shap
 
 
 def test_advance_equals_refilling_the_buffers(kimi_ckpt):
-    """One step on, in place (advance_decode_buffers) == filling the buffers for the next step."""
+    """One step on, in place (advance_decode) == filling the buffers for the next step."""
     from dataclasses import replace
 
     from atom.engine.scheduler_output import ScheduledRequest
-    from atom.worker.cuda_graph import HostBlockTables, advance_decode_buffers, fill_decode_buffers
+    from atom.ops.cuda.fused import advance_decode
+    from atom.worker.cuda_graph import HostBlockTables, fill_decode_buffers
 
     gen = torch.Generator().manual_seed(0)
     sizes, block_size = (1, 2, 4, 8), 4
@@ -112,7 +113,7 @@ def test_advance_equals_refilling_the_buffers(kimi_ckpt):
     fill_decode_buffers(buffers, tables, HostBlockTables(8, 12), [s.token_ids[0] for s in rows], rows, sizes,
                         block_size)  # fmt: skip
     next_ids = torch.tensor([11, 12, 13, 14, 15])
-    advance_decode_buffers(buffers, tables, next_ids, block_size)
+    advance_decode(buffers, tables, next_ids, block_size)
     moved = [replace(s, token_ids=[int(t)], context_len=s.context_len + 1, state_slot=s.state_out_slot)
              for s, t in zip(rows, next_ids)]
     want_buffers, want_tables = torch.zeros(7, 8, dtype=torch.long), torch.zeros(8, 12, dtype=torch.long)
@@ -219,9 +220,9 @@ def test_async_chained_streams_abandoned_mid_flight(kimi_ckpt, kernel_shaped_lay
     """AsyncEngine with chained steps: clients that walk away after their first chunk abort while their
     next tokens are still on the device; the others keep the synchronous tokens; all is freed."""
     import asyncio
-    import contextlib
 
     from atom import AsyncEngine
+    from tests.streams import stream_and_walk_away
 
     greedy = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
     plain = LLM(kimi_ckpt, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64)
@@ -234,22 +235,8 @@ def test_async_chained_streams_abandoned_mid_flight(kimi_ckpt, kernel_shaped_lay
             runner = engine.core.runner
             runner.decode_graphs = EagerDecodeGraphs(engine.config, runner.model, runner.caches, runner.device)
             patched = _count_patches(runner.decode_graphs)
-
-            async def one(i, prompt):
-                tokens = []
-                async with contextlib.aclosing(engine.generate({"prompt_token_ids": prompt}, greedy)) as stream:
-                    async for out in stream:
-                        tokens += out.new_token_ids
-                        if i % 2 == 1 and len(tokens) > 2:
-                            return None
-                return tokens
-
-            got = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
-            for _ in range(100):
-                if engine.all_resources_free():
-                    break
-                await asyncio.sleep(0.05)
-            assert engine.all_resources_free()
+            got = await stream_and_walk_away(engine, [{"prompt_token_ids": p} for p in PROMPTS], greedy,
+                                             lambda i, tokens: i % 2 == 1 and len(tokens) > 2)
             assert sum(patched) >= 3
             return got
 

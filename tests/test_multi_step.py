@@ -190,9 +190,9 @@ def test_abandoned_streams_mid_round_free_everything(kimi_ckpt, make_llm, overla
     flight (with overlap, also while the next round is already queued); the others still get the
     single-step tokens, and every block and slot is free at the end."""
     import asyncio
-    import contextlib
 
     from atom import AsyncEngine
+    from tests.streams import stream_and_walk_away
 
     greedy = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
     reference = _tokens(make_llm(kimi_ckpt).generate(_inputs(), greedy))
@@ -200,22 +200,8 @@ def test_abandoned_streams_mid_round_free_everything(kimi_ckpt, make_llm, overla
     async def run() -> list[list[int] | None]:
         async with AsyncEngine.from_config(model=kimi_ckpt, dtype="float32", num_scheduler_steps=4,
                                            async_scheduling=overlap) as engine:
-            async def one(i, prompt) -> list[int] | None:
-                tokens = []
-                async with contextlib.aclosing(engine.generate(prompt, greedy)) as stream:
-                    async for out in stream:
-                        tokens += out.new_token_ids
-                        if i % 2 == 0 and len(tokens) > 1:  # walks away mid-stream: closing aborts it
-                            return None
-                return tokens
-
-            got = await asyncio.gather(*(one(i, p) for i, p in enumerate(_inputs())))
-            for _ in range(100):  # the aborts land between steps
-                if engine.all_resources_free():
-                    break
-                await asyncio.sleep(0.05)
-            assert engine.all_resources_free()
-            return got
+            return await stream_and_walk_away(engine, _inputs(), greedy,
+                                              lambda i, tokens: i % 2 == 0 and len(tokens) > 1)
 
     got = asyncio.run(asyncio.wait_for(run(), timeout=120))
     for i, tokens in enumerate(got):

@@ -148,8 +148,8 @@ class DecodeGraphs:
         size = self._fill(input_ids, rows, patch)
         tokens = torch.empty(num_steps, n, dtype=torch.long, device=self.device)
         for step in range(num_steps):
-            if step:
-                advance_decode_buffers(self.rows, self.tables, tokens[step - 1], self.block_size)
+            if step:  # positions, slots and lengths one step on, input the tokens just sampled
+                advance_decode(self.rows, self.tables, tokens[step - 1], self.block_size)
             tokens[step] = next_tokens(self._launch(size)[:n])
         return tokens
 
@@ -158,10 +158,7 @@ class DecodeGraphs:
                                    self.block_size)
         if patch is not None:
             positions, values = patch
-            if positions == list(range(positions[0], positions[0] + len(positions))):
-                self.rows[INPUT_IDS, positions[0] : positions[0] + len(positions)] = values
-            else:
-                self.rows[INPUT_IDS, torch.tensor(positions, device=self.device)] = values
+            self.rows[INPUT_IDS, as_index(positions, self.device)] = values
         return size
 
     def _launch(self, size: int) -> torch.Tensor:
@@ -244,12 +241,12 @@ def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables
     return size
 
 
-def advance_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, next_ids: torch.Tensor,
-                           block_size: int) -> None:  # fmt: skip
-    """The buffers of rows [:n] (n = len(next_ids)) moved one decode step on, in place on the
-    device: input next_ids, position and length + 1, the state read from where the last step
-    wrote it, the cache slot of the new position from the block table (one kernel on a GPU)."""
-    advance_decode(buffers, tables, next_ids, block_size)
+def as_index(positions: list[int], device: torch.device) -> slice | torch.Tensor:
+    """positions as a tensor index: a slice when they are one contiguous run (a view: no upload, no
+    gather or scatter kernel; the usual case in decode), else a device tensor."""
+    if positions == list(range(positions[0], positions[0] + len(positions))):
+        return slice(positions[0], positions[0] + len(positions))
+    return torch.tensor(positions, device=device)
 
 
 def _slot(s: ScheduledRequest, block_size: int) -> int:

@@ -26,6 +26,25 @@ import torch
 from atom.engine.scheduler_output import RunnerOutput
 
 
+class HostCopy:
+    """int64 ids copied into ``host`` (pinned, on a GPU) without waiting; ``wait()`` returns them as a
+    list. On a GPU the wait is an event's, which lets other Python threads run meanwhile."""
+
+    def __init__(self, ids: torch.Tensor, host: torch.Tensor) -> None:
+        on_gpu = ids.device.type == "cuda"
+        self._host = host[: ids.numel()]
+        self._host.copy_(ids.flatten(), non_blocking=on_gpu)
+        self._done = None
+        if on_gpu:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()  # waits without the GIL
+        return self._host.tolist()
+
+
 class DeferredTokens:
     """Tokens [k, n] (k steps of n rows, step-major) of one runner step, on their way to the host."""
 
@@ -34,12 +53,7 @@ class DeferredTokens:
         self.tokens = tokens
         self.columns = {rid: i for i, rid in enumerate(request_ids)}
         self._request_ids, self._histories, self._out = request_ids, histories, out
-        self._host = host[: tokens.numel()]
-        self._host.copy_(tokens.flatten(), non_blocking=tokens.device.type == "cuda")
-        self._done = None
-        if tokens.device.type == "cuda":
-            self._done = torch.cuda.Event()
-            self._done.record()
+        self._copy = HostCopy(tokens, host)
         self._lock = threading.Lock()
         self.resolved = False
 
@@ -48,24 +62,17 @@ class DeferredTokens:
         with self._lock:
             if self.resolved:
                 return
-            if self._done is not None:
-                self._done.synchronize()  # waits without the GIL
-            flat, n = self._host.tolist(), len(self._request_ids)
+            flat, n = self._copy.wait(), len(self._request_ids)
             for i, (rid, history) in enumerate(zip(self._request_ids, self._histories)):
                 row = flat[i::n]
                 history.extend(row)
                 self._out.sampled[rid] = row
             self.resolved = True
 
-    def last_token(self, request_id: str) -> torch.Tensor | None:
-        """The device scalar of this request's last sampled token, None if it is not a row here."""
-        col = self.columns.get(request_id)
-        return None if col is None else self.tokens[-1, col]
-
 
 class PinnedRing:
-    """A few pinned host buffers used in turn for deferred copies. A buffer is taken again only
-    once the copy that used it before has been resolved (resolving it first if need be)."""
+    """A few pinned host buffers used in turn for copies to the host. A buffer lent to a deferred
+    step is taken again only once that step has been resolved (resolving it first if need be)."""
 
     def __init__(self, size: int = 4) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * size

@@ -18,8 +18,8 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
-from atom.worker.cuda_graph import capture_decode_graphs
-from atom.worker.deferred import DeferredTokens, PinnedRing
+from atom.worker.cuda_graph import as_index, capture_decode_graphs
+from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
@@ -53,7 +53,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.drafter = make_drafter(config, self.model)
-        self._pinned: torch.Tensor | None = None  # host landing buffer for sampled ids (_to_host)
         # captured pure-decode forwards (CUDA only; None: every step runs eagerly)
         self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
         # Async scheduling: greedy steps on the graphs return before their tokens reach the host
@@ -62,7 +61,7 @@ class ModelRunner:
         # there a step must have finished on the device when it returns.
         self.defer_tokens = config.async_scheduling and self.drafter is None and config.kv_transfer_config is None
         self._deferred: list[DeferredTokens] = []
-        self._ring = PinnedRing()
+        self._ring = PinnedRing()  # host landing buffers for sampled ids
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -106,7 +105,7 @@ class ModelRunner:
             return RunnerOutput()
         chained = self._chains(sched)
         if not chained:  # this step reads the host's token histories: bring in what is still in flight
-            self.resolve_deferred()
+            self._resolve_deferred()
         if sched.num_steps > 1:
             return self._execute_steps(sched, chained)
         rows = sched.scheduled
@@ -126,7 +125,7 @@ class ModelRunner:
         return (self.defer_tokens and graphs is not None and graphs.covers(rows) and all(s.sample for s in rows)
                 and all(self.requests[s.request_id].plain_greedy for s in rows))  # fmt: skip
 
-    def resolve_deferred(self) -> None:
+    def _resolve_deferred(self) -> None:
         """Every step's tokens on the host (waits for the copies still in flight)."""
         for deferred in self._deferred:
             deferred.resolve()
@@ -218,17 +217,13 @@ class ModelRunner:
                 ids.append(0)
                 continue
             if newest is not None and not newest.resolved:  # not a row of the newest step: bring all home
-                self.resolve_deferred()
+                self._resolve_deferred()
             last = self.requests[s.request_id].output_token_ids[-1]  # its step has reached the host
             ids.extend(last if t == PLACEHOLDER else t for t in s.token_ids)
         if not positions:
             return ids, None
         last_tokens = newest.tokens[-1]
-        if columns == list(range(columns[0], columns[0] + len(columns))):  # the usual case: same rows, same order
-            values = last_tokens[columns[0] : columns[0] + len(columns)]
-        else:
-            values = last_tokens[torch.tensor(columns, device=last_tokens.device)]
-        return ids, (positions, values)
+        return ids, (positions, last_tokens[as_index(columns, last_tokens.device)])
 
     def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _ = self._token_ids(rows)
@@ -244,11 +239,8 @@ class ModelRunner:
         picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
-        last = [starts[i + 1] - 1 for i, _ in picked]
-        if last == list(range(last[0], last[0] + len(last))):  # e.g. pure decode: a view, no index upload
-            logits = self.model.compute_logits(hidden[last[0] : last[0] + len(last)])
-        else:
-            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        last = as_index([starts[i + 1] - 1 for i, _ in picked], self.device)
+        logits = self.model.compute_logits(hidden[last])
         if defer:
             self._defer(logits.argmax(dim=-1).unsqueeze(0), [s for _, s in picked], out)
             return
@@ -279,14 +271,8 @@ class ModelRunner:
         scheduling the next step is planned during it)."""
         if ids.device.type != "cuda":
             return ids.tolist()
-        if self._pinned is None or self._pinned.numel() < ids.numel():
-            self._pinned = torch.empty(max(ids.numel(), 256), dtype=torch.int64, pin_memory=True)
-        host = self._pinned[: ids.numel()]
-        host.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return host.tolist()
+        _, host = self._ring.take(ids.numel(), pin=True)
+        return HostCopy(ids, host).wait()
 
     def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
         """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode)."""
