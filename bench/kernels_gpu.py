@@ -273,9 +273,12 @@ def main() -> None:
     ]
     for ctx in (2048, 4096):
         cases += [(f"mla_decode B={b} ctx={ctx} bs=16", lambda b=b, c=ctx: bench_mla(C, b, c)) for b in batches]
-    for k in (3, 5, 6, 7):  # MlaKernel variants, forced
+    for k in (3, 5, 6, 7, 8):  # MlaKernel variants, forced
         for b in (16, 64, 128):
             cases.append((f"mla_decode B={b} ctx=4096 bs=16 k={k}", lambda b=b, k=k: bench_mla(C, b, 4096, kernel=k)))
+    for ctx in (1024, 16384):  # the merge of splits in a cluster (8) against mla_combine_kernel (7)
+        for k in (7, 8):
+            cases.append((f"mla_decode B=64 ctx={ctx} bs=16 k={k}", lambda c=ctx, k=k: bench_mla(C, 64, c, kernel=k)))
     cases += [
         ("mla_decode B=64 ctx=4096 bs=64", lambda: bench_mla(C, 64, 4096, block_size=64)),
         ("mla_decode B=64 ctx=4096 bs=16 splits=1", lambda: bench_mla(C, 64, 4096, splits=1)),

@@ -173,6 +173,62 @@ const char* launch_mma(Kernel kernel, size_t smem, int threads, const MlaParams&
   kernel<<<grid, threads, smem, stream>>>(p);
   return last_launch_error();
 }
+
+// The warpgroup kernel with each sequence's splits as one thread-block cluster (sm_90), which
+// merges them itself.
+template <typename OutT>
+const char* launch_cluster(const MlaParams& p, int64_t batch, cudaStream_t stream) {
+  auto kernel = wg::mla_decode_wgmma_kernel<OutT, true>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(wg::kSmemBytes));
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.num_splits, static_cast<unsigned>(ceil_div(p.heads, wg::kHeads)), static_cast<unsigned>(batch));
+  config.blockDim = dim3(wg::kThreads);
+  config.dynamicSmemBytes = wg::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = p.num_splits;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  err = cudaLaunchKernelEx(&config, kernel, p);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+// How many clusters of `splits` warpgroup-kernel blocks the device runs at once (0 if unknown).
+int max_active_clusters(int splits) {
+  static int cached[wg::kMaxClusterSplits + 1] = {};  // per cluster size, for the current device
+  static int device_of[wg::kMaxClusterSplits + 1] = {};
+  int device = 0;
+  if (splits < 1 || splits > wg::kMaxClusterSplits || cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (cached[splits] > 0 && device_of[splits] == device) return cached[splits];
+  auto kernel = wg::mla_decode_wgmma_kernel<bf16_t, true>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(wg::kSmemBytes)) !=
+      cudaSuccess)
+    return 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(splits, 1, 1);
+  config.blockDim = dim3(wg::kThreads);
+  config.dynamicSmemBytes = wg::kSmemBytes;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = splits;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  cached[splits] = clusters;
+  device_of[splits] = device;
+  return clusters;
+}
 #endif
 
 template <typename T, typename OutT>
@@ -196,7 +252,12 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
       err = launch_mma(mma::mla_decode_mma_kernel<16, true, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
     case kMlaWarpgroup:
-      err = launch_mma(wg::mla_decode_wgmma_kernel<OutT>, wg::kSmemBytes, wg::kThreads, p, batch, stream);
+      err = launch_mma(wg::mla_decode_wgmma_kernel<OutT, false>, wg::kSmemBytes, wg::kThreads, p, batch, stream);
+      break;
+    case kMlaWarpgroupCluster:
+      if (p.num_splits > 1 && p.num_splits <= wg::kMaxClusterSplits) return launch_cluster<OutT>(p, batch, stream);
+      // one split (nothing to merge) or more than a cluster holds (merged by mla_combine_kernel below)
+      err = launch_mma(wg::mla_decode_wgmma_kernel<OutT, false>, wg::kSmemBytes, wg::kThreads, p, batch, stream);
       break;
 #endif
     default: {
@@ -303,14 +364,21 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
   cudaStream_t st = as_stream(stream);
   const bool aligned16 = (q_latent | q_pe | cache) % 16 == 0 && block_stride % 8 == 0 && row_stride % 8 == 0;
   const bool mma_fits = mla_decode_has_tensor_cores() && dtype == kBFloat16 && rank == 512 && rope_dim == 64 && aligned16;
-  if (kernel < kMlaAuto || kernel > kMlaWarpgroup) return "mla_decode: unknown kernel (MlaKernel)";
+  if (kernel < kMlaAuto || kernel > kMlaWarpgroupCluster) return "mla_decode: unknown kernel (MlaKernel)";
   if (kernel == kMlaAuto) {
     kernel = !mma_fits ? kMlaCudaCores : mla_decode_has_warpgroup_mma() ? kMlaWarpgroup : kMlaTensorCores16Lean;
+#ifdef ATOM_MLA_MMA
+    // splits merged in a cluster, where every cluster runs at once (a second wave would cost more than the merge)
+    const int64_t clusters = batch * ceil_div(heads, static_cast<int64_t>(wg::kHeads));
+    if (kernel == kMlaWarpgroup && num_splits > 1 && num_splits <= wg::kMaxClusterSplits &&
+        clusters <= max_active_clusters(static_cast<int>(num_splits)))
+      kernel = kMlaWarpgroupCluster;
+#endif
   }
   if (kernel != kMlaCudaCores && !mma_fits)
     return "mla_decode: the tensor-core kernels need bf16, rank 512, rope 64, 16-byte aligned rows (CUDA)";
   if (kernel == kMlaTensorCores16Bulk && !has_sm90()) return "mla_decode: bulk copies need an sm_90+ GPU";
-  if (kernel == kMlaWarpgroup && !mla_decode_has_warpgroup_mma())
+  if ((kernel == kMlaWarpgroup || kernel == kMlaWarpgroupCluster) && !mla_decode_has_warpgroup_mma())
     return "mla_decode: warpgroup MMAs need an sm_90a build (CMAKE_CUDA_ARCHITECTURES 90a) and an sm_90 GPU";
   if (kernel == kMlaCudaCores && rank > kGenericThreads * kGenericMaxCols) return "mla_decode: rank must be <= 1024";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "mla_decode", [&]() {

@@ -25,6 +25,7 @@
 #pragma once
 
 #include "bulk_copy_sm90.h"  // fence_proxy_async
+#include "cluster_sm90.h"
 #include "mla_common.cuh"
 #include "wgmma_sm90.h"
 
@@ -43,6 +44,8 @@ constexpr int kBlockQ = kHeads * 128;            // Q bytes per 64 columns
 constexpr int kRowGroup = 8 * 128;               // bytes per 8 swizzled rows
 constexpr int kSPad = kTile + 4;                 // partial-score rows: stores of a fragment hit distinct banks
 constexpr int kStageBytes = kTile * kDim * 2;
+constexpr int kORow = kRank + 4;  // floats per head row of a block's O in the cluster merge (stores hit distinct banks)
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -59,7 +62,72 @@ struct Smem {  // placed at a 1024-byte aligned shared address (the swizzle work
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
 
+// The end of a cluster's blocks (one per split): each block leaves its unnormalised O
+// (o fragments) and its softmax state (sm.m, sm.l, in log2 units) in its own shared memory,
+// then block r merges columns [r * kRank / S, (r + 1) * kRank / S) of every head from all S
+// blocks' memory by their log-sum-exp and writes the output:
+//   out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
+// A split with no positions has m = -inf, l = 0, O = 0; a sequence with none at all gets zeros.
 template <typename OutT>
+__device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][16], int64_t b, int split, int h0,
+                              int nh) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = warp / 4, wq = warp % 4, g = lane >> 2, t4 = lane & 3;
+  float* ob = reinterpret_cast<float*>(sm.kv[0]);  // [kHeads][kORow]: the tile ring is idle now
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int head = 8 * (i / 4) + 2 * t4 + (i & 1);
+#pragma unroll
+    for (int a = 0; a < 2; ++a) ob[head * kORow + kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1)] = o[a][i];
+  }
+  ptx::cluster_sync();  // every block's O, m and l written
+  const int S = p.num_splits;
+  uint32_t o_at[kMaxClusterSplits], m_at[kMaxClusterSplits], l_at[kMaxClusterSplits];
+#pragma unroll
+  for (int s = 0; s < kMaxClusterSplits; ++s) {
+    if (s >= S) break;
+    o_at[s] = ptx::cluster_map(ob, s);
+    m_at[s] = ptx::cluster_map(sm.m, s);
+    l_at[s] = ptx::cluster_map(sm.l, s);
+  }
+  const int v_begin = split * (kRank / 4) / S, v_end = (split + 1) * (kRank / 4) / S;  // float4 columns
+  const int width = v_end - v_begin;
+  OutT* out = static_cast<OutT*>(p.out);
+  for (int e = tid; e < nh * width; e += kThreads) {
+    const int head = e / width, col = 4 * (v_begin + e % width);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s)
+      if (s < S) mx = fmaxf(mx, ptx::cluster_load(m_at[s] + 4 * head));
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int s = 0; s < kMaxClusterSplits; ++s) {
+        if (s >= S) break;
+        const float w = exp2f(ptx::cluster_load(m_at[s] + 4 * head) - mx);
+        l = fmaf(w, ptx::cluster_load(l_at[s] + 4 * head), l);
+        const float4 v = ptx::cluster_load4(o_at[s] + 4 * (head * kORow + col));
+        acc.x = fmaf(w, v.x, acc.x);
+        acc.y = fmaf(w, v.y, acc.y);
+        acc.z = fmaf(w, v.z, acc.z);
+        acc.w = fmaf(w, v.w, acc.w);
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    OutT* row = out + (b * p.heads + h0 + head) * kRank + col;
+    row[0] = from_float<OutT>(acc.x * inv);
+    row[1] = from_float<OutT>(acc.y * inv);
+    row[2] = from_float<OutT>(acc.z * inv);
+    row[3] = from_float<OutT>(acc.w * inv);
+  }
+  ptx::cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
+// kClusterMerge: the grid's num_splits blocks of one (sequence, head group) form a cluster and
+// merge their partial outputs through distributed shared memory (no o_part / lse_part, no
+// mla_combine_kernel): see cluster_merge.
+template <typename OutT, bool kClusterMerge>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -72,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   const int nh = min(kHeads, p.heads - h0);
   const int64_t seq_len = load_index(p.seq_lens, b, p.sl64);
   const TileRange tiles = split_tiles(seq_len, kTile, split, p.num_splits);
-  if (tiles.begin >= tiles.end) {
+  if (!kClusterMerge && tiles.begin >= tiles.end) {  // (a cluster's block takes part in the merge regardless)
     write_empty<OutT>(p, b, split, h0, nh);
     return;
   }
@@ -231,6 +299,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   if (lane % 16 == 0) {
     sm.m[srow] = m_run;
     sm.l[srow] = l_run;
+  }
+  if constexpr (kClusterMerge) {
+    cluster_merge<OutT>(p, sm, o, b, split, h0, nh);
+    return;
   }
   __syncthreads();
   const int64_t part = (b * p.num_splits + split) * p.heads + h0;

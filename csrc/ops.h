@@ -111,9 +111,9 @@ const char* gated_rmsnorm(uintptr_t x, int64_t x_stride, uintptr_t gate, int64_t
 // int64 (kInt32 / kInt64). out [batch, heads, rank] `out_dtype`.
 // num_splits > 1 splits each sequence's positions over that many blocks and
 // needs fp32 workspaces o_part [batch, num_splits, heads, rank] and lse_part
-// [batch, num_splits, heads]. `kernel` (MlaKernel): kMlaAuto takes the
-// tensor cores for bf16 with rank 512 / rope 64 (CUDA: kMlaWarpgroup where
-// mla_decode_has_warpgroup_mma(), else kMlaTensorCores16Lean) and the
+// [batch, num_splits, heads] (kMlaWarpgroupCluster leaves them unused). `kernel` (MlaKernel): kMlaAuto takes the
+// tensor cores for bf16 with rank 512 / rope 64 (CUDA: kMlaWarpgroupCluster for 2-8 splits that fit on the GPU
+// at once, else kMlaWarpgroup, where mla_decode_has_warpgroup_mma(); else kMlaTensorCores16Lean) and the
 // CUDA-core kernel otherwise; the other values force one (benchmarks, tests).
 enum MlaKernel : int {
   kMlaAuto = 0,
@@ -124,6 +124,7 @@ enum MlaKernel : int {
   kMlaTensorCores16Lean = 5,  // 16 warps, grouped softmax, 3 barriers per tile
   kMlaTensorCores16Bulk = 6,  // as 5, rows moved by sm_90 bulk copies (cp.async.bulk + mbarrier)
   kMlaWarpgroup = 7,          // sm_90a warpgroup MMAs, operands from shared memory (csrc/mla_wgmma.cuh)
+  kMlaWarpgroupCluster = 8,   // as 7, 2-8 splits of a sequence merged inside a thread-block cluster (more: as 7)
 };
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,

@@ -84,9 +84,9 @@ def graph_replays(monkeypatch):
     sizes: list[int] = []
     inner = DecodeGraphs.replay
 
-    def counting(self, input_ids, rows):
+    def counting(self, input_ids, rows, *rest):
         sizes.append(next(s for s in self.sizes if s >= len(rows)))
-        return inner(self, input_ids, rows)
+        return inner(self, input_ids, rows, *rest)
 
     monkeypatch.setattr(DecodeGraphs, "replay", counting)
     return sizes
@@ -145,6 +145,33 @@ def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_pa
     chained = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=True)
     assert sum(patched) >= 3
     assert chained == cpu
+
+
+def test_gpu_decode_inputs_are_written_without_waiting_for_the_stream():
+    """With async scheduling the next step's inputs are written while the step before still runs on
+    the GPU. The uploads must not wait for the stream (a copy from pageable memory would), and must
+    write the same values as on the CPU."""
+    from atom.engine.scheduler_output import ScheduledRequest
+    from atom.worker.cuda_graph import HostBlockTables, as_index, fill_decode_buffers
+
+    rows = [ScheduledRequest(f"r{i}", [10 + i], 5 * i + 3, [7 * i + j for j in range(i + 1)], i, True,
+                             state_out_slot=i) for i in range(5)]  # fmt: skip
+    written = []
+    for device in ("cpu", "cuda"):
+        buffers = torch.zeros(7, 8, dtype=torch.long, device=device)
+        tables = torch.zeros(8, 12, dtype=torch.long, device=device)
+        if device == "cuda":
+            torch.cuda._sleep(1_000_000_000)  # about half a second of a busy stream
+        fill_decode_buffers(buffers, tables, HostBlockTables(8, 12), [s.token_ids[0] for s in rows], rows,
+                            (1, 2, 4, 8), 16)  # fmt: skip
+        index = as_index([0, 2, 5], torch.device(device))
+        if device == "cuda":
+            assert not torch.cuda.current_stream().query(), "an upload waited for the kernels before it"
+            torch.cuda.synchronize()
+        written.append((buffers.cpu(), tables.cpu(), index.cpu()))
+    (cpu_buffers, cpu_tables, cpu_index), (gpu_buffers, gpu_tables, gpu_index) = written
+    assert torch.equal(cpu_buffers, gpu_buffers) and torch.equal(cpu_tables, gpu_tables)
+    assert gpu_index.tolist() == cpu_index.tolist() == [0, 2, 5]
 
 
 @pytest.mark.parametrize("path", ["dispatch", "grouped", "all_experts"])

@@ -385,14 +385,15 @@ def test_mla_decode(dtype, R, P, H, block_size, lens, splits, out_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [2, 3, 4, 5, 6, 7])  # MlaKernel: tensor-core variants, forced
+@pytest.mark.parametrize("kernel", [2, 3, 4, 5, 6, 7, 8])  # MlaKernel: tensor-core variants, forced
 @pytest.mark.parametrize(
     "H, block_size, lens, splits",
     [(32, 16, [1, 63, 64, 65, 1000], None), (40, 7, [500, 129, 0, 7], 3), (16, 64, [2048, 17], 1),
-     (32, 8, [9, 300], 2), (32, 128, [200, 64, 129], None)],
+     (32, 8, [9, 300], 2), (32, 128, [200, 64, 129], None),
+     (32, 16, [3000, 0, 1, 640], 8), (24, 16, [777, 65, 0], 5)],  # 8 and 5 splits: empty ones, an empty row
 )
 def test_mla_decode_tensor_core_variants(kernel, H, block_size, lens, splits):
-    if kernel == 7 and not get_C().mla_decode_has_warpgroup_mma():
+    if kernel >= 7 and not get_C().mla_decode_has_warpgroup_mma():
         pytest.skip("warpgroup MMAs need an sm_90a build on a compute capability 9.0 GPU")
     torch.manual_seed(kernel + H)
     cache, tables = _paged_cache(lens, block_size, 576, torch.bfloat16)
@@ -406,12 +407,12 @@ def test_mla_decode_tensor_core_variants(kernel, H, block_size, lens, splits):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [0, 7])
+@pytest.mark.parametrize("kernel", [0, 7, 8])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
     """Rows past each sequence's end (in its last block, and unused blocks) hold NaN: the output must not
     see them (a kernel that brought whole blocks in would have to zero them: P = 0 times NaN is NaN)."""
-    if kernel == 7 and not get_C().mla_decode_has_warpgroup_mma():
+    if kernel >= 7 and not get_C().mla_decode_has_warpgroup_mma():
         pytest.skip("warpgroup MMAs need an sm_90a build on a compute capability 9.0 GPU")
     lens = [1, 70, 129, 1000]
     torch.manual_seed(block_size)

@@ -235,18 +235,32 @@ def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables
         [int(s.context_len > 0) for s in rows] + [0] * pad,
         [s.context_len + 1 for s in rows] + [0] * pad,
     ]
-    buffers[:, :size].copy_(torch.tensor(host, dtype=torch.long))
+    copy_from_host(buffers[:, :size], torch.tensor(host, dtype=torch.long))
     width = max(len(s.block_ids) for s in rows)
-    tables[:n, :width].copy_(host_tables.gather(rows, width))
+    copy_from_host(tables[:n, :width], host_tables.gather(rows, width))
     return size
+
+
+def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """``dst[...] = host`` without waiting for the stream. From pageable memory a copy to the GPU
+    first waits for every kernel queued before it, so with async scheduling the next step could not
+    be filled in (nor launched) until the step before had finished. On a GPU the values go through
+    pinned memory instead; torch's caching host allocator keeps that buffer until the copy has run."""
+    if dst.device.type == "cuda":
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
 
 
 def as_index(positions: list[int], device: torch.device) -> slice | torch.Tensor:
     """positions as a tensor index: a slice when they are one contiguous run (a view: no upload, no
-    gather or scatter kernel; the usual case in decode), else a device tensor."""
+    gather or scatter kernel; the usual case in decode), else a device tensor (uploaded without
+    waiting for the stream)."""
     if positions == list(range(positions[0], positions[0] + len(positions))):
         return slice(positions[0], positions[0] + len(positions))
-    return torch.tensor(positions, device=device)
+    index = torch.empty(len(positions), dtype=torch.long, device=device)
+    copy_from_host(index, torch.tensor(positions, dtype=torch.long))
+    return index
 
 
 def _slot(s: ScheduledRequest, block_size: int) -> int:

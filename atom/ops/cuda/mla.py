@@ -45,8 +45,9 @@ def mla_decode(
     SMs without a host sync; by default the block table's capacity. Returns
     [B, H, rank] in out_dtype, or writes ``out`` (contiguous, its dtype wins).
     ``kernel`` forces one implementation (``MlaKernel`` in csrc/ops.h: 1 CUDA
-    cores, 2-6 tensor-core variants, 7 warpgroup MMAs on sm_90a) for tests
-    and benchmarks; 0 picks.
+    cores, 2-6 tensor-core variants, 7 warpgroup MMAs on sm_90a, 8 the same
+    with 2-8 splits merged in a thread-block cluster) for tests and
+    benchmarks; 0 picks.
     """
     batch, heads, rank = q_latent.shape
     rope = q_pe.shape[-1]
