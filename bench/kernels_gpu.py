@@ -9,8 +9,11 @@ input read once, every output written once) over its median time, and that
 as a fraction of the ceiling: a large device-to-device copy, counting bytes
 read plus bytes written. Kernels are launched through ``atom._C`` directly
 with precomputed pointers, so Python wrapper overhead is not in the times;
-L2 is flushed (a 256 MiB write) before every timed launch, as
-``triton.testing.do_bench`` does. Realistic Kimi-Linear sizes: KDA H=32,
+L2 is flushed before every timed launch by reading 256 MiB (``--flush
+read``, the default), which leaves L2 holding clean lines. ``--flush write``
+zeroes 256 MiB instead, as ``triton.testing.do_bench`` does: that leaves up
+to L2's 50 MB of dirty lines, whose write-back to HBM then runs inside the
+timed kernel and is charged to it (ceiling included). Realistic Kimi-Linear sizes: KDA H=32,
 K=V=128 (fp32 state, bf16 activations); MLA H=32, rank 512 + rope 64, bf16
 cache, block size 16.
 """
@@ -32,10 +35,11 @@ from atom.ops.cuda._launch import dtype_code  # noqa: E402
 from atom.ops.cuda.mla import _num_sms, choose_num_splits  # noqa: E402
 
 _FLUSH = None
+FLUSH_MODE = "read"  # --flush
 
 
 def time_us(fn, reps: int = 40, warmup: int = 5) -> float:
-    """Median microseconds of fn() on the current stream, L2 flushed before each launch."""
+    """Median microseconds of fn() on the current stream, L2 flushed before each launch (FLUSH_MODE)."""
     global _FLUSH
     if _FLUSH is None:
         _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -45,7 +49,10 @@ def time_us(fn, reps: int = 40, warmup: int = 5) -> float:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends):
-        _FLUSH.zero_()
+        if FLUSH_MODE == "read":
+            _FLUSH.max()
+        else:
+            _FLUSH.zero_()
         s.record()
         fn()
         e.record()
@@ -256,14 +263,18 @@ def main() -> None:
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--quick", action="store_true", help="fewer sizes")
     p.add_argument("--only", help="run only ops whose name contains one of these, comma-separated (e.g. 'kda,conv')")
+    p.add_argument("--flush", choices=("read", "write"), default="read",
+                   help="how L2 is emptied before each timed launch (see above)")
     args = p.parse_args()
     C = get_C()
     if C is None or not torch.cuda.is_available():
         sys.exit("bench/kernels_gpu.py needs a CUDA GPU and a built atom._C")
+    global FLUSH_MODE
+    FLUSH_MODE = args.flush
 
     ceiling, copy_us = copy_ceiling()
     print(f"device: {torch.cuda.get_device_name()}  SMs: {_num_sms(torch.device('cuda'))}")
-    print(f"copy ceiling: {ceiling:.0f} GB/s read+write (1 GiB copy, {copy_us:.0f} us)")
+    print(f"copy ceiling: {ceiling:.0f} GB/s read+write (1 GiB copy, {copy_us:.0f} us); L2 flushed by a {FLUSH_MODE}")
     batches = [1, 16, 64, 128] if not args.quick else [1, 64]
     mla_block, slot_bytes = 16 * 576 * 2, 32 * 128 * 128 * 4
     cases = [(f"kda_decode B={b} T=1", lambda b=b: bench_kda(C, b)) for b in batches]
