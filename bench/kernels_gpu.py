@@ -287,7 +287,7 @@ def main() -> None:
     for k in (3, 5, 6, 7, 8):  # MlaKernel variants, forced
         for b in (16, 64, 128):
             cases.append((f"mla_decode B={b} ctx=4096 bs=16 k={k}", lambda b=b, k=k: bench_mla(C, b, 4096, kernel=k)))
-    for ctx in (1024, 16384):  # the merge of splits in a cluster (8) against mla_combine_kernel (7)
+    for ctx in (64, 256, 1024, 16384):  # the merge of splits in a cluster (8) against mla_combine_kernel (7)
         for k in (7, 8):
             cases.append((f"mla_decode B=64 ctx={ctx} bs=16 k={k}", lambda c=ctx, k=k: bench_mla(C, 64, c, kernel=k)))
     cases += [
