@@ -174,27 +174,46 @@ const char* launch_mma(Kernel kernel, size_t smem, int threads, const MlaParams&
   return last_launch_error();
 }
 
+// A launch of the warpgroup kernel whose clusters are `splits` blocks along x (one sequence's splits).
+class ClusterLaunch {
+ public:
+  ClusterLaunch(dim3 grid, int splits, cudaStream_t stream) {
+    config_.gridDim = grid;
+    config_.blockDim = dim3(wg::kThreads);
+    config_.dynamicSmemBytes = wg::kSmemBytes;
+    config_.stream = stream;
+    cluster_.id = cudaLaunchAttributeClusterDimension;
+    cluster_.val.clusterDim.x = static_cast<unsigned>(splits);
+    cluster_.val.clusterDim.y = 1;
+    cluster_.val.clusterDim.z = 1;
+    config_.attrs = &cluster_;
+    config_.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config_ points at cluster_
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+  const cudaLaunchConfig_t* config() const { return &config_; }
+
+ private:
+  cudaLaunchConfig_t config_ = {};
+  cudaLaunchAttribute cluster_ = {};
+};
+
+template <typename Kernel>
+cudaError_t allow_wgmma_smem(Kernel kernel) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(wg::kSmemBytes));
+}
+
 // The warpgroup kernel with each sequence's splits as one thread-block cluster (sm_90), which
 // merges them itself.
 template <typename OutT>
 const char* launch_cluster(const MlaParams& p, int64_t batch, cudaStream_t stream) {
   auto kernel = wg::mla_decode_wgmma_kernel<OutT, true>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(wg::kSmemBytes));
+  cudaError_t err = allow_wgmma_smem(kernel);
   if (err != cudaSuccess) return cudaGetErrorString(err);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.num_splits, static_cast<unsigned>(ceil_div(p.heads, wg::kHeads)), static_cast<unsigned>(batch));
-  config.blockDim = dim3(wg::kThreads);
-  config.dynamicSmemBytes = wg::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = p.num_splits;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, kernel, p);
+  const ClusterLaunch launch(dim3(p.num_splits, static_cast<unsigned>(ceil_div(p.heads, wg::kHeads)),
+                                  static_cast<unsigned>(batch)),
+                             p.num_splits, stream);
+  err = cudaLaunchKernelEx(launch.config(), kernel, p);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
@@ -206,22 +225,10 @@ int max_active_clusters(int splits) {
   if (splits < 1 || splits > wg::kMaxClusterSplits || cudaGetDevice(&device) != cudaSuccess) return 0;
   if (cached[splits] > 0 && device_of[splits] == device) return cached[splits];
   auto kernel = wg::mla_decode_wgmma_kernel<bf16_t, true>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(wg::kSmemBytes)) !=
-      cudaSuccess)
-    return 0;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(splits, 1, 1);
-  config.blockDim = dim3(wg::kThreads);
-  config.dynamicSmemBytes = wg::kSmemBytes;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = splits;
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+  const ClusterLaunch launch(dim3(splits), splits, nullptr);
+  if (allow_wgmma_smem(kernel) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&clusters, kernel, launch.config()) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
