@@ -18,7 +18,7 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
-from atom.worker.cuda_graph import as_index, capture_decode_graphs
+from atom.worker.cuda_graph import InputPatch, as_index, capture_decode_graphs
 from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -193,8 +193,7 @@ class ModelRunner:
         with set_forward_context(ForwardContext(meta, self.caches)):
             return self.model(input_ids, positions), meta.query_start_loc
 
-    def _token_ids(self, rows: list[ScheduledRequest],
-                   on_device: bool = False) -> tuple[list[int], tuple[list[int], torch.Tensor] | None]:  # fmt: skip
+    def _token_ids(self, rows: list[ScheduledRequest], on_device: bool = False) -> tuple[list[int], InputPatch | None]:
         """The step's input ids, placeholders filled in with the token each request sampled last.
 
         Without ``on_device`` those tokens are on the host (``execute_model`` resolved every

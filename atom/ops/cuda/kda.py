@@ -71,8 +71,7 @@ def kda_decode(
     v = token_major(v)
     g = g.float().contiguous()
     beta = beta.float().contiguous()
-    ins, outs = _slots(state_slots, out_slots, batch, v.device)
-    init = _flags(has_initial_state, v.device)
+    ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, v.device)
     result = output_buffer(out, (batch, tokens, heads, value_dim), dtype, v.device)
     with torch.cuda.device(v.device):
         C().kda_decode(
@@ -122,8 +121,7 @@ def conv1d_update(
     dtype = conv_pool.dtype
     x = x.to(dtype).contiguous()
     weight = weight.to(dtype).contiguous()
-    ins, outs = _slots(state_slots, out_slots, batch, x.device)
-    init = _flags(has_initial_state, x.device)
+    ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, x.device)
     result = output_buffer(out, tuple(x.shape), dtype, x.device)
     with torch.cuda.device(x.device):
         C().conv1d_update(
