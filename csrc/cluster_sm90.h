@@ -18,7 +18,8 @@ namespace ptx {
 #endif
 
 // Every thread of every block in the cluster arrives and waits: this block's shared-memory
-// writes before it are visible to the other blocks' reads after it (release / acquire).
+// writes before it (to its own or another block's memory) are visible to the other blocks'
+// reads after it (release / acquire).
 __device__ __forceinline__ void cluster_sync() {
   ATOM_CLUSTER_ASM("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
   ATOM_CLUSTER_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -31,19 +32,16 @@ __device__ __forceinline__ uint32_t cluster_map(const void* p, int rank) {
   return out;
 }
 
-__device__ __forceinline__ float cluster_load(uint32_t addr) {
-  float v = 0.f;
-  ATOM_CLUSTER_ASM("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
+// A store to another block's shared memory (an address from cluster_map). It does not wait for
+// the store to land: the next cluster_sync does.
+__device__ __forceinline__ void cluster_store(uint32_t addr, float v) {
+  ATOM_CLUSTER_ASM("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
 }
 
-__device__ __forceinline__ float4 cluster_load4(uint32_t addr) {  // addr 16-byte aligned
-  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-  ATOM_CLUSTER_ASM("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                   : "r"(addr)
+__device__ __forceinline__ void cluster_store4(uint32_t addr, float4 v) {  // addr 16-byte aligned
+  ATOM_CLUSTER_ASM("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
+                   "f"(v.w)
                    : "memory");
-  return v;
 }
 
 #undef ATOM_CLUSTER_ASM

@@ -115,9 +115,11 @@ __global__ void __launch_bounds__(kGenericThreads) mla_decode_generic_kernel(Mla
 // ---- merge splits: out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M).
 // grid (H, B), block 128; each thread owns 4 consecutive columns (rank % 4 == 0)
 // or strided single columns, and reads the splits' partials independently.
+__host__ __device__ constexpr int combine_weights(int splits) { return (splits + 3) / 4 * 4; }
+
 template <typename OutT>
 __global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
-  float* weight = dynamic_shared<float>();  // num_splits
+  float* weight = dynamic_shared<float>();  // combine_weights(num_splits)
   const int h = blockIdx.x;
   const int64_t b = blockIdx.y;
   const int S = p.num_splits;
@@ -129,7 +131,10 @@ __global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
     for (int d = threadIdx.x; d < p.rank; d += blockDim.x) out[d] = from_float<OutT>(0.f);
     return;
   }
-  for (int s = threadIdx.x; s < S; s += blockDim.x) weight[s] = expf(lse[static_cast<int64_t>(s) * p.heads] - mx);
+  // (weight is padded to whole float4s and the padding zeroed: the unrolled loop below may read a
+  // float4 of weights at once, past S)
+  for (int s = threadIdx.x; s < combine_weights(S); s += blockDim.x)
+    weight[s] = s < S ? expf(lse[static_cast<int64_t>(s) * p.heads] - mx) : 0.f;
   __syncthreads();
   float total = 0.f;
   for (int s = 0; s < S; ++s) total += weight[s];
@@ -277,7 +282,7 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
   if (err != nullptr) return err;
   if (p.num_splits > 1) {
     const dim3 grid(p.heads, static_cast<unsigned>(batch));
-    mla_combine_kernel<OutT><<<grid, 128, p.num_splits * sizeof(float), stream>>>(p);
+    mla_combine_kernel<OutT><<<grid, 128, combine_weights(p.num_splits) * sizeof(float), stream>>>(p);
   }
   return last_launch_error();
 }

@@ -44,7 +44,6 @@ constexpr int kBlockQ = kHeads * 128;            // Q bytes per 64 columns
 constexpr int kRowGroup = 8 * 128;               // bytes per 8 swizzled rows
 constexpr int kSPad = kTile + 4;                 // partial-score rows: stores of a fragment hit distinct banks
 constexpr int kStageBytes = kTile * kDim * 2;
-constexpr int kORow = kRank + 4;  // floats per head row of a block's O in the cluster merge (stores hit distinct banks)
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -62,66 +61,98 @@ struct Smem {  // placed at a 1024-byte aligned shared address (the swizzle work
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
 
-// The end of a cluster's blocks (one per split): each block leaves its unnormalised O
-// (o fragments) and its softmax state (sm.m, sm.l, in log2 units) in its own shared memory,
-// then block r merges columns [r * kRank / S, (r + 1) * kRank / S) of every head from all S
-// blocks' memory by their log-sum-exp and writes the output:
+// The end of a cluster's blocks (one per split), with nothing read across the cluster. The output's
+// 512 columns are 8 groups of 64, group G = 2 wg + a being fragment set o[a] of warpgroup wg; block
+// merge_owner(G) merges group G. Every block sends each owner its softmax state (m, l in log2 units)
+// and its unnormalised O fragments of the owner's groups, in fragment order (thread t's 16 values as
+// four float4s), into the owner's idle tile ring; the owner keeps its own fragments in registers.
+// Sends are stores that do not wait; one cluster barrier makes them visible, and then each owner
+// merges per fragment, from its registers and its own shared memory:
 //   out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
 // A split with no positions has m = -inf, l = 0, O = 0; a sequence with none at all gets zeros.
+constexpr int kGroups = 2 * kWarpGroups;
+__device__ __forceinline__ int merge_owner(int group, int splits) { return group * splits / kGroups; }
+__device__ __forceinline__ int merge_first(int r, int splits) {  // the first group block r owns
+  return (r * kGroups + splits - 1) / splits;
+}
+__host__ __device__ constexpr int most_owned(int splits) { return (kGroups + splits - 1) / splits; }
+struct MergeBuf {  // at the start of Smem::kv
+  float m[kMaxClusterSplits][kHeads], l[kMaxClusterSplits][kHeads];
+  float coef[kMaxClusterSplits][kHeads];  // each split's weight in the output, per head
+  float4 o[1];  // [sender][owned group < most_owned(splits)][quarter of the 16 values][thread of the warpgroup]
+  __device__ float4* slot(int sender, int owned, int splits, int thread) {
+    return o + (sender * most_owned(splits) + owned) * 4 * 128 + thread;  // quarter q at + 128 q
+  }
+};
+constexpr int most_slots() {  // senders times owned groups, over 2 .. kMaxClusterSplits splits
+  int most = 0;
+  for (int s = 2; s <= kMaxClusterSplits; ++s) most = s * most_owned(s) > most ? s * most_owned(s) : most;
+  return most;
+}
+static_assert(offsetof(MergeBuf, o) + most_slots() * 4 * 128 * sizeof(float4) <= sizeof(Smem::kv),
+              "the merge buffer lives in the tile ring");  // 115 KB at 7 splits, of 144 KB
+
 template <typename OutT>
-__device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][16], int64_t b, int split, int h0,
-                              int nh) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+__device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][16], float m_run, float l_run,
+                              int64_t b, int split, int h0, int nh) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, t = tid % 128;
   const int wg = warp / 4, wq = warp % 4, g = lane >> 2, t4 = lane & 3;
-  float* ob = reinterpret_cast<float*>(sm.kv[0]);  // [kHeads][kORow]: the tile ring is idle now
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int head = 8 * (i / 4) + 2 * t4 + (i & 1);
-#pragma unroll
-    for (int a = 0; a < 2; ++a) ob[head * kORow + kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1)] = o[a][i];
-  }
-  ptx::cluster_sync();  // every block's O, m and l written
   const int S = p.num_splits;
-  uint32_t o_at[kMaxClusterSplits], m_at[kMaxClusterSplits], l_at[kMaxClusterSplits];
-#pragma unroll
-  for (int s = 0; s < kMaxClusterSplits; ++s) {
-    if (s >= S) break;
-    o_at[s] = ptx::cluster_map(ob, s);
-    m_at[s] = ptx::cluster_map(sm.m, s);
-    l_at[s] = ptx::cluster_map(sm.l, s);
+  MergeBuf& buf = *reinterpret_cast<MergeBuf*>(sm.kv[0]);
+  ptx::cluster_sync();  // every block is done with its tile ring, which now receives
+  const int srow = 2 * warp + lane / 16;  // the head whose m_run, l_run this lane holds
+  if (lane % 16 < S) {                    // lane r of the head's 16 sends them to block r
+    ptx::cluster_store(ptx::cluster_map(&buf.m[split][srow], lane % 16), m_run);
+    ptx::cluster_store(ptx::cluster_map(&buf.l[split][srow], lane % 16), l_run);
   }
-  const int v_begin = split * (kRank / 4) / S, v_end = (split + 1) * (kRank / 4) / S;  // float4 columns
-  const int width = v_end - v_begin;
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    const int group = 2 * wg + a, r = merge_owner(group, S);
+    if (r == split) continue;
+    float4* slot = buf.slot(split, group - merge_first(r, S), S, t);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      ptx::cluster_store4(ptx::cluster_map(slot + q * 128, r),
+                          make_float4(o[a][4 * q], o[a][4 * q + 1], o[a][4 * q + 2], o[a][4 * q + 3]));
+  }
+  ptx::cluster_sync();  // every block's sends landed; none touches another's memory after this
+
+  if (tid < kHeads) {  // split s's weight for head tid
+    float mx = -INFINITY, total = 0.f;
+    for (int s = 0; s < S; ++s) mx = fmaxf(mx, buf.m[s][tid]);
+    for (int s = 0; s < S; ++s) total += mx == -INFINITY ? 0.f : exp2f(buf.m[s][tid] - mx) * buf.l[s][tid];
+    for (int s = 0; s < S; ++s) buf.coef[s][tid] = total > 0.f ? exp2f(buf.m[s][tid] - mx) / total : 0.f;
+  }
+  __syncthreads();
   OutT* out = static_cast<OutT*>(p.out);
-  for (int e = tid; e < nh * width; e += kThreads) {
-    const int head = e / width, col = 4 * (v_begin + e % width);
-    float mx = -INFINITY;
 #pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s)
-      if (s < S) mx = fmaxf(mx, ptx::cluster_load(m_at[s] + 4 * head));
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float l = 0.f;
-    if (mx != -INFINITY) {
+  for (int a = 0; a < 2; ++a) {
+    const int group = 2 * wg + a;
+    if (merge_owner(group, S) != split) continue;
+    float v[16];
 #pragma unroll
-      for (int s = 0; s < kMaxClusterSplits; ++s) {
-        if (s >= S) break;
-        const float w = exp2f(ptx::cluster_load(m_at[s] + 4 * head) - mx);
-        l = fmaf(w, ptx::cluster_load(l_at[s] + 4 * head), l);
-        const float4 v = ptx::cluster_load4(o_at[s] + 4 * (head * kORow + col));
-        acc.x = fmaf(w, v.x, acc.x);
-        acc.y = fmaf(w, v.y, acc.y);
-        acc.z = fmaf(w, v.z, acc.z);
-        acc.w = fmaf(w, v.w, acc.w);
+    for (int i = 0; i < 16; ++i) v[i] = buf.coef[split][8 * (i / 4) + 2 * t4 + (i & 1)] * o[a][i];
+    for (int s = 0; s < S; ++s) {
+      if (s == split) continue;
+      const float4* slot = buf.slot(s, group - merge_first(split, S), S, t);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 x = slot[q * 128];
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int i = 4 * q + j;
+          v[i] = fmaf(buf.coef[s][8 * (i / 4) + 2 * t4 + (i & 1)], xs[j], v[i]);
+        }
       }
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    OutT* row = out + (b * p.heads + h0 + head) * kRank + col;
-    row[0] = from_float<OutT>(acc.x * inv);
-    row[1] = from_float<OutT>(acc.y * inv);
-    row[2] = from_float<OutT>(acc.z * inv);
-    row[3] = from_float<OutT>(acc.w * inv);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int head = 8 * (i / 4) + 2 * t4 + (i & 1);
+      const int col = kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1);
+      if (head < nh) out[(b * p.heads + h0 + head) * kRank + col] = from_float<OutT>(v[i]);
+    }
   }
-  ptx::cluster_sync();  // no block leaves while another still reads its shared memory
 }
 
 // kClusterMerge: the grid's num_splits blocks of one (sequence, head group) form a cluster and
@@ -296,13 +327,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
     __syncthreads();  // stage, P, alpha, rows and the partial scores are rewritten next tile
   }
 
+  if constexpr (kClusterMerge) {
+    cluster_merge<OutT>(p, sm, o, m_run, l_run, b, split, h0, nh);
+    return;
+  }
   if (lane % 16 == 0) {
     sm.m[srow] = m_run;
     sm.l[srow] = l_run;
-  }
-  if constexpr (kClusterMerge) {
-    cluster_merge<OutT>(p, sm, o, b, split, h0, nh);
-    return;
   }
   __syncthreads();
   const int64_t part = (b * p.num_splits + split) * p.heads + h0;

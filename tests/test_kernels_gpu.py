@@ -430,6 +430,26 @@ def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
 
 
 @gpu
+@pytest.mark.parametrize("kernel", [0, 1, 7, 8])
+def test_mla_decode_block_table_view(kernel):
+    """Block tables as the first columns of a wider table (row stride > width) whose other columns hold
+    block ids far past the cache: rows are found at the stride, and only entries below seq_len are used."""
+    if kernel >= 7 and not get_C().mla_decode_has_warpgroup_mma():
+        pytest.skip("warpgroup MMAs need an sm_90a build on a compute capability 9.0 GPU")
+    lens = [130, 0, 64, 1]  # 4 splits: some hold one tile, some none
+    torch.manual_seed(11)
+    cache, tables = _paged_cache(lens, 16, 576, torch.bfloat16)
+    wide = torch.full((len(lens), tables.shape[1] + 40), 10**9, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    view = wide.cuda()[:, : tables.shape[1]]
+    assert view.stride(0) != view.shape[1]
+    ql, qp = _rand(len(lens), 32, 512, dtype=torch.bfloat16), _rand(len(lens), 32, 64, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens)
+    out = mla_decode(ql.cuda(), qp.cuda(), cache.cuda(), view, seq_lens.cuda(), 0.07, num_splits=4, kernel=kernel)
+    assert rel_err(out, ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, 0.07)) < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_latent_cache(dtype):
     torch.manual_seed(5)
