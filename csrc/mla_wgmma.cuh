@@ -92,13 +92,13 @@ constexpr int most_slots() {  // senders times owned groups, over 2 .. kMaxClust
 static_assert(offsetof(MergeBuf, o) + most_slots() * 4 * 128 * sizeof(float4) <= sizeof(Smem::kv),
               "the merge buffer lives in the tile ring");  // 115 KB at 7 splits, of 144 KB
 
-template <typename OutT>
-__device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][16], float m_run, float l_run,
-                              int64_t b, int split, int h0, int nh) {
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, t = tid % 128;
-  const int wg = warp / 4, wq = warp % 4, g = lane >> 2, t4 = lane & 3;
-  const int S = p.num_splits;
-  MergeBuf& buf = *reinterpret_cast<MergeBuf*>(sm.kv[0]);
+// Head of fragment value i of a thread with lane % 4 == t4 (the wgmma accumulator layout, N = heads).
+__device__ __forceinline__ int fragment_head(int i, int t4) { return 8 * (i / 4) + 2 * t4 + (i & 1); }
+
+// The sending half: this block's m, l to every block and its fragments of other blocks' groups to them.
+__device__ void cluster_send(const MlaParams& p, MergeBuf& buf, const float (&o)[2][16], float m_run, float l_run,
+                             int split) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4, S = p.num_splits;
   ptx::cluster_sync();  // every block is done with its tile ring, which now receives
   const int srow = 2 * warp + lane / 16;  // the head whose m_run, l_run this lane holds
   if (lane % 16 < S) {                    // lane r of the head's 16 sends them to block r
@@ -109,14 +109,24 @@ __device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][
   for (int a = 0; a < 2; ++a) {
     const int group = 2 * wg + a, r = merge_owner(group, S);
     if (r == split) continue;
-    float4* slot = buf.slot(split, group - merge_first(r, S), S, t);
+    float4* slot = buf.slot(split, group - merge_first(r, S), S, tid % 128);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       ptx::cluster_store4(ptx::cluster_map(slot + q * 128, r),
                           make_float4(o[a][4 * q], o[a][4 * q + 1], o[a][4 * q + 2], o[a][4 * q + 3]));
   }
   ptx::cluster_sync();  // every block's sends landed; none touches another's memory after this
+}
 
+// The merging half: this block's groups, from its own fragments and what the others sent.
+template <typename OutT>
+__device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][16], float m_run, float l_run,
+                              int64_t b, int split, int h0, int nh) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = warp / 4, wq = warp % 4, g = lane >> 2, t4 = lane & 3;
+  const int S = p.num_splits;
+  MergeBuf& buf = *reinterpret_cast<MergeBuf*>(sm.kv[0]);
+  cluster_send(p, buf, o, m_run, l_run, split);
   if (tid < kHeads) {  // split s's weight for head tid
     float mx = -INFINITY, total = 0.f;
     for (int s = 0; s < S; ++s) mx = fmaxf(mx, buf.m[s][tid]);
@@ -131,25 +141,21 @@ __device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][
     if (merge_owner(group, S) != split) continue;
     float v[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = buf.coef[split][8 * (i / 4) + 2 * t4 + (i & 1)] * o[a][i];
+    for (int i = 0; i < 16; ++i) v[i] = buf.coef[split][fragment_head(i, t4)] * o[a][i];
     for (int s = 0; s < S; ++s) {
       if (s == split) continue;
-      const float4* slot = buf.slot(s, group - merge_first(split, S), S, t);
+      const float4* slot = buf.slot(s, group - merge_first(split, S), S, tid % 128);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float4 x = slot[q * 128];
         const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int i = 4 * q + j;
-          v[i] = fmaf(buf.coef[s][8 * (i / 4) + 2 * t4 + (i & 1)], xs[j], v[i]);
-        }
+        for (int j = 0; j < 4; ++j) v[4 * q + j] = fmaf(buf.coef[s][fragment_head(4 * q + j, t4)], xs[j], v[4 * q + j]);
       }
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      const int head = 8 * (i / 4) + 2 * t4 + (i & 1);
-      const int col = kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1);
+      const int head = fragment_head(i, t4), col = kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1);
       if (head < nh) out[(b * p.heads + h0 + head) * kRank + col] = from_float<OutT>(v[i]);
     }
   }
