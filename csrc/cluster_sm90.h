@@ -1,6 +1,6 @@
 // Hopper (sm_90) thread-block clusters: the blocks of one cluster run at the
-// same time on one GPC and can read each other's shared memory (distributed
-// shared memory). NVIDIA only, like bulk_copy_sm90.h; on older targets the
+// same time on one GPC and can read and write each other's shared memory
+// (distributed shared memory). NVIDIA only, like bulk_copy_sm90.h; on older targets the
 // helpers trap (callers launch clusters only on sm_90+ devices).
 #pragma once
 

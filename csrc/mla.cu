@@ -263,12 +263,11 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
     case kMlaTensorCores16Bulk:
       err = launch_mma(mma::mla_decode_mma_kernel<16, true, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
-    case kMlaWarpgroup:
-      err = launch_mma(wg::mla_decode_wgmma_kernel<OutT, false>, wg::kSmemBytes, wg::kThreads, p, batch, stream);
-      break;
     case kMlaWarpgroupCluster:
       if (p.num_splits > 1 && p.num_splits <= wg::kMaxClusterSplits) return launch_cluster<OutT>(p, batch, stream);
-      // one split (nothing to merge) or more than a cluster holds (merged by mla_combine_kernel below)
+      // one split (nothing to merge) or more than a cluster holds: as kMlaWarpgroup (mla_combine_kernel merges)
+      [[fallthrough]];
+    case kMlaWarpgroup:
       err = launch_mma(wg::mla_decode_wgmma_kernel<OutT, false>, wg::kSmemBytes, wg::kThreads, p, batch, stream);
       break;
 #endif
