@@ -6,7 +6,7 @@
 #
 #   bash scripts/gpu_check.sh            # all of it (each stage has a time limit; ENGINE_LIMIT etc. override)
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh      # build and tests only
-#   WITH_KERNEL_BENCH=1 bash scripts/gpu_check.sh  # also bench/kernels_gpu.py
+#   WITH_KERNEL_BENCH=1 bash scripts/gpu_check.sh  # also bench/kernels_gpu.py --graph
 #   SKIP_FLA=1 bash scripts/gpu_check.sh        # without fla's tests (Triton autotunes them afresh, minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +38,6 @@ stage decode ${DECODE_LIMIT:-280} python3 bench/decode_gpu.py --batches 1,16,64 
 tail -8 "$OUT/decode.txt"
 stage profile ${PROFILE_LIMIT:-150} python3 bench/profile_decode_gpu.py --batches 1,64 --top 40
 grep -E "^== batch|one replay|kernels in one|last replay|whole forward" "$OUT/profile.txt" | tee -a "$OUT/summary.txt"
-[ -n "${WITH_KERNEL_BENCH:-}" ] && stage kernels 200 python3 bench/kernels_gpu.py && tail -40 "$OUT/kernels.txt"
+[ -n "${WITH_KERNEL_BENCH:-}" ] && stage kernels ${KERNELS_LIMIT:-300} python3 bench/kernels_gpu.py --graph && tail -40 "$OUT/kernels.txt"
 [ -z "${SKIP_FLA:-}" ] && stage fla_tests ${FLA_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py -k fla
 date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"
