@@ -11,6 +11,15 @@
 //   online softmax over S, 16 lanes per head, P rounded to bf16
 //   O^T[512 x 32] = alpha O^T + V^T P^T   warpgroup w owns latent columns 128w ..
 //
+// The tile loop is bound by its own compute, not by memory: at B=64 a tile cost
+// 2.5 us a block with everything, 2.1 us with only the loads, 2.0 us with only
+// the compute (GPU_NOTES.md, session 8; 2.34 us with all after the changes
+// below). So each step's latency counts: the two
+// O^T accumulator chains are issued interleaved, each lane keeps its own part
+// of the softmax sum (one reduction after the loop, not one per tile), and the
+// cluster kernel keeps a running max that moves only when a score exceeds it
+// by more than 2^8 (then alpha = 1 and O^T is not rescaled).
+//
 // S is computed transposed (positions as M = 64, heads as N = 32) because a
 // warpgroup MMA has M = 64 and there are only 32 heads; likewise O^T. The
 // cache tile is stored once, in the 128-byte swizzle layout (wgmma_sm90.h):
@@ -230,7 +239,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
     for (int i = 0; i < 16; ++i) o[a][i] = 0.f;
   // Softmax: warp w owns heads 2w, 2w+1; 16 lanes per head, 4 positions per lane.
   const int srow = 2 * warp + lane / 16, c0 = (lane % 16) * 4;
-  float m_run = -INFINITY, l_run = 0.f;  // of head srow, same in its 16 lanes
+  // Of head srow: m_run (log2 units) the same in its 16 lanes, l_run this lane's part of the sum.
+  float m_run = -INFINITY, l_run = 0.f;
+  // The cluster kernel's running max moves only when a score passes it by kLazyMax (log2 units), so
+  // most tiles skip the max's shuffles and O^T's rescale; P <= 2^kLazyMax stays well inside bf16 and
+  // fp32. Kernel 7 keeps the exact max: the lazy one made it slower (B=128 2048 positions 98-100 us
+  // against 95, GPU_NOTES.md).
+  constexpr bool kLazy = kClusterMerge;
+  constexpr float kLazyMax = 8.f;
   const float scale_log2 = p.scale * kLog2e;
 
   for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
@@ -261,6 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
     }
     __syncthreads();
 
+    bool moved = false;  // this lane's running max moved
     {  // online softmax of head srow over positions c0 .. c0 + 3
       float x[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -277,10 +294,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
         x[c] = tile * kTile + c0 + c < seq_len ? x[c] * scale_log2 : -INFINITY;
         mx = fmaxf(mx, x[c]);
       }
+      float m_new = m_run, alpha = 1.f;
+      if (!kLazy || __any_sync(0xffffffffu, mx > m_run + kLazyMax)) {  // both heads of the warp
 #pragma unroll
-      for (int off = 8; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_new = fmaxf(m_run, mx);  // finite: position 0 of a tile is valid
-      const float alpha = exp2f(m_run - m_new);
+        for (int off = 8; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        m_new = fmaxf(m_run, mx);  // finite: position 0 of a tile is valid
+        alpha = exp2f(m_run - m_new);
+        moved = true;
+      }
       float pr[4], sum = 0.f;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
@@ -291,16 +312,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
       packed.x = pack_bf16x2(pr[0], pr[1]);
       packed.y = pack_bf16x2(pr[2], pr[3]);
       *reinterpret_cast<uint2*>(sm.p + ptx::swizzle_128b(srow, c0 / 8) + (c0 % 8) * 2) = packed;
-#pragma unroll
-      for (int off = 8; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       l_run = l_run * alpha + sum;
       m_run = m_new;
       if (lane % 16 == 0) sm.alpha[srow] = alpha;
     }
     ptx::fence_proxy_async();  // P
-    __syncthreads();
+    bool rescale = true;  // some head's alpha is not 1
+    if constexpr (kLazy) rescale = __syncthreads_or(moved);
+    else __syncthreads();
 
     {  // O^T = alpha O^T + V^T P^T over this warpgroup's columns
+      if (rescale)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const float2 al = *reinterpret_cast<const float2*>(&sm.alpha[8 * j + 2 * t4]);
@@ -314,10 +336,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
       }
       ptx::wgmma_fence();
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const unsigned char* v = kv + (kColsPer * wg + 64 * a) / 64 * kBlockKv;
+      for (int k = 0; k < kTile / 16; ++k) {  // positions 16k .. : rows 16k .. of V^T, 32 bytes of P's rows
 #pragma unroll
-        for (int k = 0; k < kTile / 16; ++k) {  // positions 16k .. : rows 16k .. of V^T, 32 bytes of P's rows
+        for (int a = 0; a < 2; ++a) {  // the two accumulator chains in turn
+          const unsigned char* v = kv + (kColsPer * wg + 64 * a) / 64 * kBlockKv;
           ptx::wgmma_m64n32k16_bf16<1>(o[a], ptx::smem_desc_sw128(v + 2 * k * kRowGroup, kBlockKv, kRowGroup),
                                        ptx::smem_desc_sw128(sm.p + k * 32, 16, kRowGroup));
         }
@@ -335,6 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
     __syncthreads();  // stage, P, alpha, rows and the partial scores are rewritten next tile
   }
 
+#pragma unroll
+  for (int off = 8; off > 0; off /= 2) l_run += __shfl_xor_sync(0xffffffffu, l_run, off);  // the head's sum
   if constexpr (kClusterMerge) {
     cluster_merge<OutT>(p, sm, o, m_run, l_run, b, split, h0, nh);
     return;

@@ -430,6 +430,31 @@ def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
 
 
 @gpu
+@pytest.mark.parametrize("kernel", [0, 7, 8])
+@pytest.mark.parametrize("splits", [None, 2, 5])
+def test_mla_decode_scores_jump_late(kernel, splits):
+    """A few late positions score far above everything before them (and one far below), so the running
+    max moves by much more than 2^8 in the middle of a split: the cluster kernel's lazy max must take its
+    exact path there and rescale what it summed so far."""
+    if kernel >= 7 and not get_C().mla_decode_has_warpgroup_mma():
+        pytest.skip("warpgroup MMAs need an sm_90a build on a compute capability 9.0 GPU")
+    lens = [1000, 2048, 70]
+    torch.manual_seed(23)
+    cache, tables = _paged_cache(lens, 16, 576, torch.bfloat16)
+    cache.mul_(0.1)
+    for b, n in enumerate(lens):  # rows scaled up: every head's score there grows by the same factor
+        for pos, factor in ((n * 3 // 10, 30.0), (n * 6 // 10, 80.0), (n * 9 // 10, -120.0), (n - 1, 60.0)):
+            cache[tables[b, pos // 16], pos % 16] *= factor
+    ql, qp = _rand(len(lens), 32, 512, dtype=torch.bfloat16), _rand(len(lens), 32, 64, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens)
+    expected = ref.mla_decode_ref(ql, qp, cache, tables, seq_lens, 0.07)
+    assert not expected.isnan().any()
+    out = mla_decode(ql.cuda(), qp.cuda(), cache.cuda(), tables.cuda(), seq_lens.cuda(), 0.07, num_splits=splits,
+                     kernel=kernel)  # fmt: skip
+    assert rel_err(out, expected) < 1e-2
+
+
+@gpu
 @pytest.mark.parametrize("kernel", [0, 1, 7, 8])
 def test_mla_decode_block_table_view(kernel):
     """Block tables as the first columns of a wider table (row stride > width) whose other columns hold
