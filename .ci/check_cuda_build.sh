@@ -33,15 +33,24 @@ if [[ -n "$hipcc" ]]; then
     echo "check_cuda_build: compiled $src (hipcc, gfx90a + gfx940)"
   done
 fi
-# gfx942 (MI300) through Debian's clang-19, where installed: ROCm 5.2 has no device
-# libraries for it, so device code only, to bitcode (-fgpu-rdc, -nogpulib), no link.
-# (gfx950 needs LLVM 20.)
+# gfx942 (MI300) through Debian's clang-19 and gfx950 (MI350) through its clang-22,
+# where installed: ROCm 5.2 has no device libraries for them, so device code only,
+# to the target's assembly (-S, -nogpulib: math library calls stay external), no link.
+# clang-22 no longer defines two names ROCm 5.2's headers use: hip_clang22_compat.h.
 clang19=$(command -v clang-19 || true)
 if [[ -n "$hipcc" && -n "$clang19" ]]; then
   for src in csrc/*.cu; do
-    "$clang19" -x hip --offload-arch=gfx942 --offload-device-only -fgpu-rdc -nogpulib -std=c++17 -O2 -Icsrc \
-      -fPIC -Wall -Werror -c "$src" -o "$out/$(basename "$src").gfx942.bc"
+    "$clang19" -x hip --offload-arch=gfx942 --offload-device-only -nogpulib -std=c++17 -O2 -Icsrc \
+      -Wall -Werror -S "$src" -o "$out/$(basename "$src").gfx942.s"
     echo "check_cuda_build: compiled $src (clang-19, gfx942 device code)"
+  done
+fi
+clang22=$(command -v clang-22 || true)
+if [[ -n "$hipcc" && -n "$clang22" ]]; then
+  for src in csrc/*.cu; do
+    "$clang22" -x hip --offload-arch=gfx950 --offload-device-only -nogpulib -std=c++17 -O2 -Icsrc \
+      -include .ci/hip_clang22_compat.h -Wall -Werror -S "$src" -o "$out/$(basename "$src").gfx950.s"
+    echo "check_cuda_build: compiled $src (clang-22, gfx950 device code)"
   done
 fi
 # bindings.cpp is host-only C++: it needs pybind11's and Python's headers.

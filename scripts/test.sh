@@ -13,12 +13,13 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
   apt-get install -y --no-install-recommends libibverbs1
 fi
 
-# clang-19: the csrc build check (tests/test_build.py) compiles the kernels for
-# gfx942 with it where hipcc is installed (ROCm 5.2's own compiler stops at gfx940).
-if command -v hipcc > /dev/null && ! command -v clang-19 > /dev/null; then
+# clang-19 and clang-22: the csrc build check (tests/test_build.py) compiles the
+# kernels for gfx942 and gfx950 with them where hipcc is installed (ROCm 5.2's own
+# compiler stops at gfx940).
+if command -v hipcc > /dev/null && ! { command -v clang-19 && command -v clang-22; } > /dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update
-  apt-get install -y --no-install-recommends clang-19
+  apt-get install -y --no-install-recommends clang-19 clang-22
 fi
 
 # torch first and pinned: any other resolution would pull a multi-GB CUDA

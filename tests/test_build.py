@@ -101,3 +101,7 @@ def test_csrc_compiles_with_nvcc():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "compiled csrc/cache_ops.cu" in proc.stdout
+    if shutil.which("hipcc"):  # every AMD target whose compiler is here was built, none skipped quietly
+        for compiler, target in (("hipcc", "gfx90a + gfx940"), ("clang-19", "gfx942"), ("clang-22", "gfx950")):
+            if shutil.which(compiler):
+                assert f"compiled csrc/mla.cu ({compiler}, {target}" in proc.stdout, proc.stdout
