@@ -13,12 +13,12 @@
 //
 // The tile loop is bound by its own compute, not by memory: at B=64 a tile cost
 // 2.5 us a block with everything, 2.1 us with only the loads, 2.0 us with only
-// the compute (GPU_NOTES.md, session 8; 2.34 us with all after the changes
-// below). So each step's latency counts: the two
-// O^T accumulator chains are issued interleaved, each lane keeps its own part
-// of the softmax sum (one reduction after the loop, not one per tile), and the
-// cluster kernel keeps a running max that moves only when a score exceeds it
-// by more than 2^8 (then alpha = 1 and O^T is not rescaled).
+// the compute (GPU_NOTES.md, session 8; 2.34 us with everything after the
+// changes below). So each step's latency counts: the two O^T accumulator chains
+// are issued in turn, each lane keeps its own part of the softmax sum (one
+// reduction after the loop, not one per tile), and the cluster kernel keeps a
+// running max that moves only when a score passes it by more than 2^8 (else
+// alpha = 1 and O^T is not rescaled).
 //
 // S is computed transposed (positions as M = 64, heads as N = 32) because a
 // warpgroup MMA has M = 64 and there are only 32 heads; likewise O^T. The

@@ -433,9 +433,9 @@ def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
 @pytest.mark.parametrize("kernel", [0, 7, 8])
 @pytest.mark.parametrize("splits", [None, 2, 5])
 def test_mla_decode_scores_jump_late(kernel, splits):
-    """A few late positions score far above everything before them (and one far below), so the running
-    max moves by much more than 2^8 in the middle of a split: the cluster kernel's lazy max must take its
-    exact path there and rescale what it summed so far."""
+    """A few late rows are scaled up (one with its sign flipped), so some heads' scores there are far above
+    everything before them: the running max moves by much more than 2^8 in the middle of a split, where the
+    cluster kernel's lazy max must take its exact path and rescale what it summed so far."""
     if kernel >= 7 and not get_C().mla_decode_has_warpgroup_mma():
         pytest.skip("warpgroup MMAs need an sm_90a build on a compute capability 9.0 GPU")
     lens = [1000, 2048, 70]
