@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   // 4 (w / 8 + 2 i) + lane / 8: 8 lanes write one chunk of 8 rows (distinct
   // banks under the swizzle) and read 64 contiguous bytes of each row. Warps w
   // and w + 8 read the two halves of the same 128-byte lines, and L2 fetches
-  // each whole line at the first (cp_async_16_line: 1-1.5% faster, GPU_NOTES.md).
+  // each whole line at the first (cp_async_16<true>: 1-1.5% faster, GPU_NOTES.md).
   const int ld_pos = 8 * (warp % 8) + lane % 8;
   auto load_tile = [&](int stage, const int64_t* rows) {
     const int64_t off = rows[ld_pos];
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
     for (int i = 0; i < kChunks / 8; ++i) {
       const int c = 4 * (warp / 8 + 2 * i) + lane / 8;
       unsigned char* dst = sm.kv[stage] + c / 8 * kBlockKv + ptx::swizzle_128b(ld_pos, c % 8);
-      ptx::cp_async_16_line(dst, src + (off >= 0 ? c * 8 : 0), off >= 0);
+      ptx::cp_async_16<true>(dst, src + (off >= 0 ? c * 8 : 0), off >= 0);
     }
     ptx::cp_async_commit();
   };
@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
       for (int i = 0; i < 16; ++i) ptx::fence_operand(s[i]);
       // s[i]: position 16 wq + g (+8 if i & 2), head 8 (i / 4) + 2 t4 + (i & 1)
 #pragma unroll
-      for (int i = 0; i < 16; ++i) sm.s[wg][8 * (i / 4) + 2 * t4 + (i & 1)][16 * wq + g + 8 * ((i >> 1) & 1)] = s[i];
+      for (int i = 0; i < 16; ++i) sm.s[wg][fragment_head(i, t4)][16 * wq + g + 8 * ((i >> 1) & 1)] = s[i];
     }
     __syncthreads();
 
@@ -371,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   const int64_t part = (b * p.num_splits + split) * p.heads + h0;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const int head = 8 * (i / 4) + 2 * t4 + (i & 1);
+    const int head = fragment_head(i, t4);
     if (head >= nh) continue;
     const float inv = 1.f / sm.l[head];
 #pragma unroll

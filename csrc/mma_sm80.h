@@ -14,21 +14,21 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// 16 bytes global -> shared; when !valid, writes 16 zero bytes and reads nothing.
+// 16 bytes global -> shared; when !valid, writes 16 zero bytes and reads nothing. kWholeLine: the
+// hint that L2 fetch the whole aligned 128-byte line around it from memory (for loads whose
+// neighbours read the rest of the line at about the same time).
+template <bool kWholeLine = false>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-
-// As cp_async_16, with the hint that L2 fetch the whole aligned 128-byte line around it from
-// memory (for loads whose neighbours read the rest of the line at about the same time).
-__device__ __forceinline__ void cp_async_16_line(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
+  if constexpr (kWholeLine) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(src_bytes)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(src_bytes)
+                 : "memory");
+  }
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
