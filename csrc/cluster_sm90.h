@@ -17,12 +17,12 @@ namespace ptx {
 #define ATOM_CLUSTER_ASM(...) __trap()
 #endif
 
-// Every thread of every block in the cluster arrives and waits: this block's shared-memory
-// writes before it (to its own or another block's memory) are visible to the other blocks'
-// reads after it (release / acquire).
-__device__ __forceinline__ void cluster_sync() {
-  ATOM_CLUSTER_ASM("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-  ATOM_CLUSTER_ASM("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+// Every thread of every block in the cluster arrives and waits. The arrival does not release (no
+// memory fence): it orders only what has completed before it (reads whose values were used, and
+// mbarrier initialisations published by fence_mbar_init) before the other blocks' accesses after it.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  ATOM_CLUSTER_ASM("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  ATOM_CLUSTER_ASM("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 // The shared::cluster address of `p` (this block's shared memory) in the cluster's block `rank`.
@@ -32,15 +32,20 @@ __device__ __forceinline__ uint32_t cluster_map(const void* p, int rank) {
   return out;
 }
 
-// A store to another block's shared memory (an address from cluster_map). It does not wait for
-// the store to land: the next cluster_sync does.
-__device__ __forceinline__ void cluster_store(uint32_t addr, float v) {
-  ATOM_CLUSTER_ASM("st.shared::cluster.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+// Stores to another block's shared memory (an address from cluster_map) that complete their bytes
+// on that block's mbarrier `bar` (its address from cluster_map too): a thread that waits on that
+// mbarrier sees them. The mbarrier's initialisation must have been published to the cluster first
+// (fence_mbar_init, then a cluster barrier).
+__device__ __forceinline__ void cluster_store_async(uint32_t addr, float v, uint32_t bar) {
+  ATOM_CLUSTER_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr),
+                   "r"(__float_as_uint(v)), "r"(bar)
+                   : "memory");
 }
-
-__device__ __forceinline__ void cluster_store4(uint32_t addr, float4 v) {  // addr 16-byte aligned
-  ATOM_CLUSTER_ASM("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
-                   "f"(v.w)
+__device__ __forceinline__ void cluster_store4_async(uint32_t addr, float4 v, uint32_t bar) {
+  ATOM_CLUSTER_ASM("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                       addr),
+                   "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                   "r"(__float_as_uint(v.w)), "r"(bar)
                    : "memory");
 }
 

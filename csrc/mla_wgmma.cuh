@@ -33,6 +33,8 @@
 //   P    (head, pos): swizzle_128b(head, pos / 8) + pos % 8 * 2
 #pragma once
 
+#include <type_traits>
+
 #include "bulk_copy_sm90.h"  // fence_proxy_async
 #include "cluster_sm90.h"
 #include "mla_common.cuh"
@@ -55,6 +57,15 @@ constexpr int kSPad = kTile + 4;                 // partial-score rows: stores o
 constexpr int kStageBytes = kTile * kDim * 2;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 
+// 2^x by the hardware approximation alone, results below 2^-126 flushed to zero. exp2f keeps those
+// subnormals at the cost of a rescale around the same instruction, which P and alpha do not need: a
+// weight below 2^-126 of the running max is nothing next to it. Kernel 8 got 0.3-0.7 us faster (GPU_NOTES.md).
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -67,18 +78,22 @@ struct Smem {  // placed at a 1024-byte aligned shared address (the swizzle work
   float s[kWarpGroups][kHeads][kSPad];  // warpgroup w's partial S (head-major)
   int64_t rows[2][kTile];               // element offsets of a tile's positions, -1 past the end
   float alpha[kHeads], m[kHeads], l[kHeads];
+  uint64_t merge_bar;                   // kernel 8: completes when everything sent to this block landed
 };
 constexpr size_t kSmemBytes = sizeof(Smem) + 1024;  // + alignment slack
 
 // The end of a cluster's blocks (one per split), with nothing read across the cluster. The output's
 // 512 columns are 8 groups of 64, group G = 2 wg + a being fragment set o[a] of warpgroup wg; block
-// merge_owner(G) merges group G. Every block sends each owner its softmax state (m, l in log2 units)
-// and its unnormalised O fragments of the owner's groups, in fragment order (thread t's 16 values as
-// four float4s), into the owner's idle tile ring; the owner keeps its own fragments in registers.
-// Sends are stores that do not wait; one cluster barrier makes them visible, and then each owner
-// merges per fragment, from its registers and its own shared memory:
+// merge_owner(G) merges group G. After one cluster barrier (every block is done with its tile ring),
+// every block sends each owner its softmax state (m, l in log2 units) and its unnormalised O
+// fragments of the owner's groups, in fragment order (thread t's 16 values as four float4s), into the
+// owner's idle tile ring; the owner keeps its own fragments in registers. The sends are st.async
+// stores that complete on the owner's merge_bar, which expects their bytes: each owner waits only for
+// what it receives (no second cluster barrier), then merges per fragment, from its registers and its
+// own shared memory:
 //   out = sum_s 2^(m_s - M) O_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
 // A split with no positions has m = -inf, l = 0, O = 0; a sequence with none at all gets zeros.
+// Every block waits for all it receives before it exits, so no send lands in an exited block.
 constexpr int kGroups = 2 * kWarpGroups;
 __device__ __forceinline__ int merge_owner(int group, int splits) { return group * splits / kGroups; }
 __device__ __forceinline__ int merge_first(int r, int splits) {  // the first group block r owns
@@ -104,27 +119,37 @@ static_assert(offsetof(MergeBuf, o) + most_slots() * 4 * 128 * sizeof(float4) <=
 // Head of fragment value i of a thread with lane % 4 == t4 (the wgmma accumulator layout, N = heads).
 __device__ __forceinline__ int fragment_head(int i, int t4) { return 8 * (i / 4) + 2 * t4 + (i & 1); }
 
-// The sending half: this block's m, l to every block and its fragments of other blocks' groups to them.
-__device__ void cluster_send(const MlaParams& p, MergeBuf& buf, const float (&o)[2][16], float m_run, float l_run,
-                             int split) {
+// The sending half: this block's m, l to every block and its fragments of other blocks' groups to them;
+// returns when everything sent to this block has landed.
+__device__ void cluster_send(const MlaParams& p, MergeBuf& buf, uint64_t* bar, const float (&o)[2][16], float m_run,
+                             float l_run, int split) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4, S = p.num_splits;
-  ptx::cluster_sync();  // every block is done with its tile ring, which now receives
+  // Every block is done with its tile ring, which now receives. Its last reads of the ring (MMAs and
+  // loads) have completed, so the barrier needs no release: relaxed, it skips a GPU-wide memory fence.
+  ptx::cluster_sync_relaxed();
+  if (tid == 0) {  // bytes coming in: m, l from every block (itself too), S - 1 senders' fragments of each owned group
+    const int owned = merge_first(split + 1, S) - merge_first(split, S);
+    ptx::mbar_arrive_expect_tx(bar, static_cast<uint32_t>(S * 2 * kHeads * sizeof(float) +
+                                                          (S - 1) * owned * 4 * 128 * sizeof(float4)));
+  }
   const int srow = 2 * warp + lane / 16;  // the head whose m_run, l_run this lane holds
   if (lane % 16 < S) {                    // lane r of the head's 16 sends them to block r
-    ptx::cluster_store(ptx::cluster_map(&buf.m[split][srow], lane % 16), m_run);
-    ptx::cluster_store(ptx::cluster_map(&buf.l[split][srow], lane % 16), l_run);
+    const uint32_t to_bar = ptx::cluster_map(bar, lane % 16);
+    ptx::cluster_store_async(ptx::cluster_map(&buf.m[split][srow], lane % 16), m_run, to_bar);
+    ptx::cluster_store_async(ptx::cluster_map(&buf.l[split][srow], lane % 16), l_run, to_bar);
   }
 #pragma unroll
   for (int a = 0; a < 2; ++a) {
     const int group = 2 * wg + a, r = merge_owner(group, S);
     if (r == split) continue;
     float4* slot = buf.slot(split, group - merge_first(r, S), S, tid % 128);
+    const uint32_t to_bar = ptx::cluster_map(bar, r);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      ptx::cluster_store4(ptx::cluster_map(slot + q * 128, r),
-                          make_float4(o[a][4 * q], o[a][4 * q + 1], o[a][4 * q + 2], o[a][4 * q + 3]));
+      ptx::cluster_store4_async(ptx::cluster_map(slot + q * 128, r),
+                                make_float4(o[a][4 * q], o[a][4 * q + 1], o[a][4 * q + 2], o[a][4 * q + 3]), to_bar);
   }
-  ptx::cluster_sync();  // every block's sends landed; none touches another's memory after this
+  ptx::mbar_wait(bar, 0);  // the barrier's only phase
 }
 
 // The merging half: this block's groups, from its own fragments and what the others sent.
@@ -135,7 +160,7 @@ __device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][
   const int wg = warp / 4, wq = warp % 4, g = lane >> 2, t4 = lane & 3;
   const int S = p.num_splits;
   MergeBuf& buf = *reinterpret_cast<MergeBuf*>(sm.kv[0]);
-  cluster_send(p, buf, o, m_run, l_run, split);
+  cluster_send(p, buf, &sm.merge_bar, o, m_run, l_run, split);
   if (tid < kHeads) {  // split s's weight for head tid
     float mx = -INFINITY, total = 0.f;
     for (int s = 0; s < S; ++s) mx = fmaxf(mx, buf.m[s][tid]);
@@ -211,6 +236,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   };
 
   // Prologue: offsets of the first two tiles; Q (zero rows past the last head); tile 0.
+  if (kClusterMerge && tid == 0) {  // one arrival (cluster_send's expect_tx) and the bytes sent to this block
+    ptx::mbar_init(&sm.merge_bar, 1);
+    ptx::fence_mbar_init();  // published to the cluster by cluster_send's barrier
+  }
   if (tid < kTile) {
     sm.rows[0][tid] = tile_row<kTile>(p, b, seq_len, tiles, tiles.begin, tid);
     sm.rows[1][tid] = tile_row<kTile>(p, b, seq_len, tiles, tiles.begin + 1, tid);
@@ -249,7 +278,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   constexpr float kLazyMax = 8.f;
   const float scale_log2 = p.scale * kLog2e;
 
-  for (int64_t tile = tiles.begin; tile < tiles.end; ++tile) {
+  // The tile index: 32 bits in kernel 7 (2-3% faster there), 64 in kernel 8, whose loop ptxas lays out
+  // worse with 32 (2.5% slower). Register allocation decides this kernel's speed (GPU_NOTES.md, session 8).
+  using TileIndex = std::conditional_t<kClusterMerge, int64_t, int>;
+  for (TileIndex tile = static_cast<TileIndex>(tiles.begin); tile < tiles.end; ++tile) {
     const int it = static_cast<int>(tile - tiles.begin), stage = it & 1;
     // Offsets two tiles ahead: loaded now, stored at the end, so the load's latency hides behind this tile.
     const int64_t next_row = tid < kTile ? tile_row<kTile>(p, b, seq_len, tiles, tile + 2, tid) : -1;
@@ -299,13 +331,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
 #pragma unroll
         for (int off = 8; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
         m_new = fmaxf(m_run, mx);  // finite: position 0 of a tile is valid
-        alpha = exp2f(m_run - m_new);
+        alpha = exp2_ftz(m_run - m_new);
         moved = true;
       }
       float pr[4], sum = 0.f;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        pr[c] = exp2f(x[c] - m_new);
+        pr[c] = exp2_ftz(x[c] - m_new);
         sum += pr[c];
       }
       uint2 packed;
