@@ -161,10 +161,11 @@ __device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][
   const int S = p.num_splits;
   MergeBuf& buf = *reinterpret_cast<MergeBuf*>(sm.kv[0]);
   cluster_send(p, buf, &sm.merge_bar, o, m_run, l_run, split);
-  // The end of the kernel runs once a block with nothing to overlap it, so its instruction count shows
-  // in the kernel's time (GPU_NOTES.md, session 9): the first two loops over splits stay rolled (S is
-  // mostly 2; unrolled they were ~180 instructions more). Rolling the third, or shorter output
-  // addressing, changed how ptxas laid out the tile loop, which then ran 1-3% slower.
+  // The end of the kernel runs once a block with nothing to overlap it, so its instruction count shows in
+  // the kernel's time (GPU_NOTES.md, session 9): the first two loops over splits stay rolled (S is mostly
+  // 2; unrolled for up to 16 they were ~180 instructions more), and the output is addressed from one row
+  // pointer (64-bit index arithmetic per store was ~500 more). Rolling the third loop made ptxas lay out
+  // the tile loop 1-3% slower.
   if (tid < kHeads) {  // split s's weight for head tid
     float mx = -INFINITY, total = 0.f;
 #pragma unroll 1
@@ -193,10 +194,11 @@ __device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][
         for (int j = 0; j < 4; ++j) v[4 * q + j] = fmaf(buf.coef[s][fragment_head(4 * q + j, t4)], xs[j], v[4 * q + j]);
       }
     }
+    OutT* row = out + (b * p.heads + h0) * kRank;  // head h0's row
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int head = fragment_head(i, t4), col = kColsPer * wg + 64 * a + 16 * wq + g + 8 * ((i >> 1) & 1);
-      if (head < nh) out[(b * p.heads + h0 + head) * kRank + col] = from_float<OutT>(v[i]);
+      if (head < nh) row[head * kRank + col] = from_float<OutT>(v[i]);
     }
   }
 }
@@ -224,20 +226,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_wgmma_kernel(MlaParams
   const bf16_t* cache = static_cast<const bf16_t*>(p.cache);
 
   // Tile loads: warp w copies position 8 (w % 8) + lane % 8, chunks
-  // 4 (w / 8 + 2 i) + lane / 8: 8 lanes write one chunk of 8 rows (distinct
+  // 4 (w / 8 + 2 i) + lane / 8 (the i-th in column block i, at fixed offsets
+  // from one address each side): 8 lanes write one chunk of 8 rows (distinct
   // banks under the swizzle) and read 64 contiguous bytes of each row. Warps w
   // and w + 8 read the two halves of the same 128-byte lines, and L2 fetches
   // each whole line at the first (cp_async_16<true>: 1-1.5% faster, GPU_NOTES.md).
   const int ld_pos = 8 * (warp % 8) + lane % 8;
   auto load_tile = [&](int stage, const int64_t* rows) {
     const int64_t off = rows[ld_pos];
-    const bf16_t* src = cache + (off >= 0 ? off : 0);
+    const int c0 = 4 * (warp / 8) + lane / 8;  // this thread's chunks: c0 + 8 i, in column block i
+    const bf16_t* src = cache + (off >= 0 ? off : 0) + c0 * 8;  // past the end: a valid address, nothing read
+    unsigned char* dst = sm.kv[stage] + ptx::swizzle_128b(ld_pos, c0);
 #pragma unroll
-    for (int i = 0; i < kChunks / 8; ++i) {
-      const int c = 4 * (warp / 8 + 2 * i) + lane / 8;
-      unsigned char* dst = sm.kv[stage] + c / 8 * kBlockKv + ptx::swizzle_128b(ld_pos, c % 8);
-      ptx::cp_async_16<true>(dst, src + (off >= 0 ? c * 8 : 0), off >= 0);
-    }
+    for (int i = 0; i < kChunks / 8; ++i) ptx::cp_async_16<true>(dst + i * kBlockKv, src + i * 64, off >= 0);
     ptx::cp_async_commit();
   };
 
