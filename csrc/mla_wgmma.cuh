@@ -124,8 +124,9 @@ __device__ __forceinline__ int fragment_head(int i, int t4) { return 8 * (i / 4)
 __device__ void cluster_send(const MlaParams& p, MergeBuf& buf, uint64_t* bar, const float (&o)[2][16], float m_run,
                              float l_run, int split) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4, S = p.num_splits;
-  // Every block is done with its tile ring, which now receives. Its last reads of the ring (MMAs and
-  // loads) have completed, so the barrier needs no release: relaxed, it skips a GPU-wide memory fence.
+  // Every block is done with its tile ring, which now receives. What it did with the ring (the MMAs'
+  // reads, the tile loads' writes) has completed, so the barrier needs no release: relaxed, it skips a
+  // GPU-wide memory fence.
   ptx::cluster_sync_relaxed();
   if (tid == 0) {  // bytes coming in: m, l from every block (itself too), S - 1 senders' fragments of each owned group
     const int owned = merge_first(split + 1, S) - merge_first(split, S);
@@ -163,7 +164,7 @@ __device__ void cluster_merge(const MlaParams& p, Smem& sm, const float (&o)[2][
   cluster_send(p, buf, &sm.merge_bar, o, m_run, l_run, split);
   // The end of the kernel runs once a block with nothing to overlap it, so its instruction count shows in
   // the kernel's time (GPU_NOTES.md, session 9): the first two loops over splits stay rolled (S is mostly
-  // 2; unrolled for up to 16 they were ~180 instructions more), and the output is addressed from one row
+  // 2; as ptxas unrolled them they were ~180 instructions more), and the output is addressed from one row
   // pointer (64-bit index arithmetic per store was ~500 more). Rolling the third loop made ptxas lay out
   // the tile loop 1-3% slower.
   if (tid < kHeads) {  // split s's weight for head tid
