@@ -37,22 +37,19 @@ fi
 # where installed: ROCm 5.2 has no device libraries for them, so device code only,
 # to the target's assembly (-S, -nogpulib: math library calls stay external), no link.
 # clang-22 no longer defines two names ROCm 5.2's headers use: hip_clang22_compat.h.
-clang19=$(command -v clang-19 || true)
-if [[ -n "$hipcc" && -n "$clang19" ]]; then
+amd_device_code() {  # amd_device_code COMPILER ARCH [FLAGS...]: every kernel source, where COMPILER is installed
+  local compiler=$1 arch=$2 path
+  path=$(command -v "$compiler" || true)
+  [[ -n "$hipcc" && -n "$path" ]] || return 0
+  shift 2
   for src in csrc/*.cu; do
-    "$clang19" -x hip --offload-arch=gfx942 --offload-device-only -nogpulib -std=c++17 -O2 -Icsrc \
-      -Wall -Werror -S "$src" -o "$out/$(basename "$src").gfx942.s"
-    echo "check_cuda_build: compiled $src (clang-19, gfx942 device code)"
+    "$path" -x hip --offload-arch="$arch" --offload-device-only -nogpulib -std=c++17 -O2 -Icsrc "$@" \
+      -Wall -Werror -S "$src" -o "$out/$(basename "$src").$arch.s"
+    echo "check_cuda_build: compiled $src ($compiler, $arch device code)"
   done
-fi
-clang22=$(command -v clang-22 || true)
-if [[ -n "$hipcc" && -n "$clang22" ]]; then
-  for src in csrc/*.cu; do
-    "$clang22" -x hip --offload-arch=gfx950 --offload-device-only -nogpulib -std=c++17 -O2 -Icsrc \
-      -include .ci/hip_clang22_compat.h -Wall -Werror -S "$src" -o "$out/$(basename "$src").gfx950.s"
-    echo "check_cuda_build: compiled $src (clang-22, gfx950 device code)"
-  done
-fi
+}
+amd_device_code clang-19 gfx942
+amd_device_code clang-22 gfx950 -include .ci/hip_clang22_compat.h
 # bindings.cpp is host-only C++: it needs pybind11's and Python's headers.
 g++ -c -std=c++17 -O2 -fPIC -Wall -Werror -Icsrc $("$python" -m pybind11 --includes) \
   csrc/bindings.cpp -o "$out/bindings.o"
