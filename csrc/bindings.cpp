@@ -131,6 +131,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("heads"), py::arg("rank"), py::arg("rope_dim"), py::arg("num_splits"), py::arg("scale"),
       py::arg("dtype"), py::arg("out_dtype"), py::arg("kernel"), py::arg("stream"));
 
+  m.def("mla_decode_needs_workspace", &atom::mla_decode_needs_workspace,
+        "whether mla_decode with these arguments reads o_part / lse_part (no cluster merge)", py::arg("q_latent"),
+        py::arg("q_pe"), py::arg("cache"), py::arg("block_stride"), py::arg("row_stride"), py::arg("batch"),
+        py::arg("heads"), py::arg("rank"), py::arg("rope_dim"), py::arg("num_splits"), py::arg("dtype"),
+        py::arg("kernel"));
   m.def("mla_decode_has_tensor_cores", &atom::mla_decode_has_tensor_cores,
         "whether mla_decode has its tensor-core kernel in this build");
   m.def("mla_decode_has_warpgroup_mma", &atom::mla_decode_has_warpgroup_mma,

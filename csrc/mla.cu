@@ -338,6 +338,50 @@ bool mla_decode_has_warpgroup_mma() {
 #endif
 }
 
+namespace {
+
+// Whether the tensor-core kernels take these operands: bf16, rank 512 + rope 64, 16-byte aligned rows.
+bool tensor_cores_fit(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride, int64_t row_stride,
+                      int64_t rank, int64_t rope_dim, int dtype) {
+  const bool aligned16 = (q_latent | q_pe | cache) % 16 == 0 && block_stride % 8 == 0 && row_stride % 8 == 0;
+  return mla_decode_has_tensor_cores() && dtype == kBFloat16 && rank == 512 && rope_dim == 64 && aligned16;
+}
+
+// The kernel kMlaAuto stands for with these arguments (any other kernel is returned as it is).
+int resolve_kernel(int kernel, bool mma_fits, int64_t batch, int64_t heads, int64_t num_splits) {
+  if (kernel != kMlaAuto) return kernel;
+  kernel = !mma_fits ? kMlaCudaCores : mla_decode_has_warpgroup_mma() ? kMlaWarpgroup : kMlaTensorCores16Lean;
+#ifdef ATOM_MLA_MMA
+  // splits merged in a cluster, where every cluster runs at once (a second wave would cost more than the merge)
+  const int64_t clusters = batch * ceil_div(heads, static_cast<int64_t>(wg::kHeads));
+  if (kernel == kMlaWarpgroup && num_splits > 1 && num_splits <= wg::kMaxClusterSplits &&
+      clusters <= max_active_clusters(static_cast<int>(num_splits)))
+    kernel = kMlaWarpgroupCluster;
+#endif
+  return kernel;
+}
+
+// Whether a resolved kernel merges the splits itself, without o_part / lse_part (launch_decode's cases).
+bool merges_in_cluster(int kernel, int64_t num_splits) {
+#ifdef ATOM_MLA_MMA
+  return kernel == kMlaWarpgroupCluster && num_splits > 1 && num_splits <= wg::kMaxClusterSplits;
+#else
+  (void)kernel;
+  (void)num_splits;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool mla_decode_needs_workspace(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
+                                int64_t row_stride, int64_t batch, int64_t heads, int64_t rank, int64_t rope_dim,
+                                int64_t num_splits, int dtype, int kernel) {
+  if (num_splits <= 1) return false;
+  const bool mma_fits = tensor_cores_fit(q_latent, q_pe, cache, block_stride, row_stride, rank, rope_dim, dtype);
+  return !merges_in_cluster(resolve_kernel(kernel, mma_fits, batch, heads, num_splits), num_splits);
+}
+
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,
                        int block_table_dtype, uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out,
@@ -347,11 +391,15 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
   if (batch < 0 || heads < 1 || rank < 1 || rope_dim < 0 || block_size < 1)
     return "mla_decode: needs batch >= 0, heads, rank, block_size >= 1, rope_dim >= 0";
   if (num_splits < 1 || num_splits > 1024) return "mla_decode: num_splits must be in 1..1024";
-  if (num_splits > 1 && (o_part == 0 || lse_part == 0)) return "mla_decode: num_splits > 1 needs o_part and lse_part";
   if (batch > 65535 || heads > 65535) return "mla_decode: batch and heads must be <= 65535";
   const bool idx_ok = (block_table_dtype == kInt32 || block_table_dtype == kInt64) &&
                       (seq_lens_dtype == kInt32 || seq_lens_dtype == kInt64);
   if (!idx_ok) return "mla_decode: block_tables and seq_lens must be int32 or int64";
+  if (kernel < kMlaAuto || kernel > kMlaWarpgroupCluster) return "mla_decode: unknown kernel (MlaKernel)";
+  const bool mma_fits = tensor_cores_fit(q_latent, q_pe, cache, block_stride, row_stride, rank, rope_dim, dtype);
+  kernel = resolve_kernel(kernel, mma_fits, batch, heads, num_splits);
+  if (num_splits > 1 && !merges_in_cluster(kernel, num_splits) && (o_part == 0 || lse_part == 0))
+    return "mla_decode: num_splits > 1 needs o_part and lse_part (mla_decode_needs_workspace)";
   if (batch == 0) return nullptr;
   MlaParams p{reinterpret_cast<const void*>(q_latent),
               reinterpret_cast<const void*>(q_pe),
@@ -373,19 +421,6 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
               static_cast<int>(num_splits),
               static_cast<float>(scale)};
   cudaStream_t st = as_stream(stream);
-  const bool aligned16 = (q_latent | q_pe | cache) % 16 == 0 && block_stride % 8 == 0 && row_stride % 8 == 0;
-  const bool mma_fits = mla_decode_has_tensor_cores() && dtype == kBFloat16 && rank == 512 && rope_dim == 64 && aligned16;
-  if (kernel < kMlaAuto || kernel > kMlaWarpgroupCluster) return "mla_decode: unknown kernel (MlaKernel)";
-  if (kernel == kMlaAuto) {
-    kernel = !mma_fits ? kMlaCudaCores : mla_decode_has_warpgroup_mma() ? kMlaWarpgroup : kMlaTensorCores16Lean;
-#ifdef ATOM_MLA_MMA
-    // splits merged in a cluster, where every cluster runs at once (a second wave would cost more than the merge)
-    const int64_t clusters = batch * ceil_div(heads, static_cast<int64_t>(wg::kHeads));
-    if (kernel == kMlaWarpgroup && num_splits > 1 && num_splits <= wg::kMaxClusterSplits &&
-        clusters <= max_active_clusters(static_cast<int>(num_splits)))
-      kernel = kMlaWarpgroupCluster;
-#endif
-  }
   if (kernel != kMlaCudaCores && !mma_fits)
     return "mla_decode: the tensor-core kernels need bf16, rank 512, rope 64, 16-byte aligned rows (CUDA)";
   if (kernel == kMlaTensorCores16Bulk && !has_sm90()) return "mla_decode: bulk copies need an sm_90+ GPU";

@@ -111,7 +111,8 @@ const char* gated_rmsnorm(uintptr_t x, int64_t x_stride, uintptr_t gate, int64_t
 // int64 (kInt32 / kInt64). out [batch, heads, rank] `out_dtype`.
 // num_splits > 1 splits each sequence's positions over that many blocks and
 // needs fp32 workspaces o_part [batch, num_splits, heads, rank] and lse_part
-// [batch, num_splits, heads] (kMlaWarpgroupCluster leaves them unused). `kernel` (MlaKernel): kMlaAuto takes the
+// [batch, num_splits, heads], unless the kernel merges the splits itself
+// (mla_decode_needs_workspace says which; 0 may then be passed). `kernel` (MlaKernel): kMlaAuto takes the
 // tensor cores for bf16 with rank 512 / rope 64 (CUDA: kMlaWarpgroupCluster for 2-8 splits that fit on the GPU
 // at once, else kMlaWarpgroup, where mla_decode_has_warpgroup_mma(); else kMlaTensorCores16Lean) and the
 // CUDA-core kernel otherwise; the other values force one (benchmarks, tests).
@@ -132,6 +133,12 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
                        uintptr_t o_part, uintptr_t lse_part, int64_t batch, int64_t heads, int64_t rank,
                        int64_t rope_dim, int64_t num_splits, double scale, int dtype, int out_dtype, int kernel,
                        uintptr_t stream);
+
+// Whether mla_decode with these arguments (as passed to it) reads o_part / lse_part: num_splits > 1 and
+// the kernel it runs (kMlaAuto resolved) does not merge the splits inside a thread-block cluster.
+bool mla_decode_needs_workspace(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
+                                int64_t row_stride, int64_t batch, int64_t heads, int64_t rank, int64_t rope_dim,
+                                int64_t num_splits, int dtype, int kernel);
 
 // Whether this build has mla_decode's tensor-core kernel (CUDA, not HIP).
 bool mla_decode_has_tensor_cores();

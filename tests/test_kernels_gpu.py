@@ -475,6 +475,52 @@ def test_mla_decode_block_table_view(kernel):
 
 
 @gpu
+def test_mla_decode_workspace_only_where_read():
+    """o_part / lse_part are needed unless the splits merge in a cluster: mla_decode_needs_workspace says
+    which, mla_decode runs the cluster kernel without them and refuses to run the others without them."""
+    from atom.ops.cuda._launch import dtype_code
+
+    C = get_C()
+    if not C.mla_decode_has_warpgroup_mma():
+        pytest.skip("the cluster kernel needs an sm_90a build on a compute capability 9.0 GPU")
+    lens = [700, 1, 300]
+    torch.manual_seed(2)
+    cache, tables = _paged_cache(lens, 16, 576, torch.bfloat16)
+    cache, tables, seq_lens = cache.cuda(), tables.cuda(), torch.tensor(lens, device="cuda")
+    ql, qp = _rand(3, 32, 512, dtype=torch.bfloat16).cuda(), _rand(3, 32, 64, dtype=torch.bfloat16).cuda()
+    expected = ref.mla_decode_ref(ql.cpu(), qp.cpu(), cache.cpu(), tables.cpu(), seq_lens.cpu(), 0.07)
+
+    def call(kernel, splits, workspace):
+        out = torch.full((3, 32, 512), float("nan"), device="cuda")
+        o_part = torch.empty(3, splits, 32, 512, device="cuda") if workspace else None
+        lse = torch.empty(3, splits, 32, device="cuda") if workspace else None
+        C.mla_decode(ql.data_ptr(), qp.data_ptr(), cache.data_ptr(), cache.stride(0), cache.stride(1), 16,
+                     tables.data_ptr(), tables.stride(0), dtype_code(tables.dtype), seq_lens.data_ptr(),
+                     dtype_code(seq_lens.dtype), out.data_ptr(), o_part.data_ptr() if workspace else 0,
+                     lse.data_ptr() if workspace else 0, 3, 32, 512, 64, splits, 0.07, dtype_code(torch.bfloat16),
+                     dtype_code(torch.float32), kernel, torch.cuda.current_stream().cuda_stream)  # fmt: skip
+        return out
+
+    def needs(kernel, splits, dtype=torch.bfloat16):
+        return C.mla_decode_needs_workspace(ql.data_ptr(), qp.data_ptr(), cache.data_ptr(), cache.stride(0),
+                                            cache.stride(1), 3, 32, 512, 64, splits, dtype_code(dtype), kernel)  # fmt: skip
+
+    assert not needs(0, 1) and not needs(7, 1)  # one split: nothing to merge
+    assert needs(7, 2) and needs(1, 2)  # merged by mla_combine_kernel
+    assert needs(0, 2, torch.float32)  # auto on fp32: the CUDA-core kernel
+    assert not needs(0, 2) and not needs(8, 2)  # 3 clusters of 2 fit on the GPU at once: the cluster kernel
+    assert needs(8, 9)  # more splits than a portable cluster holds: kernel 7's path
+    for kernel, splits in ((0, 2), (8, 2), (8, 5), (7, 2), (8, 9)):
+        if needs(kernel, splits):
+            with pytest.raises(RuntimeError, match="needs o_part and lse_part"):
+                call(kernel, splits, workspace=False)
+            out = call(kernel, splits, workspace=True)
+        else:
+            out = call(kernel, splits, workspace=False)
+        assert rel_err(out, expected) < 1e-2, (kernel, splits)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_latent_cache(dtype):
     torch.manual_seed(5)

@@ -81,10 +81,13 @@ def mla_decode(
     elif tuple(out.shape) != (batch, heads, rank) or not out.is_contiguous():
         raise ValueError(f"mla_decode: out must be contiguous [{batch}, {heads}, {rank}], got {tuple(out.shape)}")
     o_part = lse_part = None
-    if num_splits > 1:
-        o_part = torch.empty(batch, num_splits, heads, rank, dtype=torch.float32, device=q_latent.device)
-        lse_part = torch.empty(batch, num_splits, heads, dtype=torch.float32, device=q_latent.device)
-    with torch.cuda.device(q_latent.device):
+    with torch.cuda.device(q_latent.device):  # (the cluster kernel's occupancy is the current device's)
+        if num_splits > 1 and C().mla_decode_needs_workspace(
+            q_latent.data_ptr(), q_pe.data_ptr(), latent_cache.data_ptr(), latent_cache.stride(0),
+            latent_cache.stride(1), batch, heads, rank, rope, num_splits, dtype_code(dtype), kernel,
+        ):  # a kernel that merges the splits inside a thread-block cluster needs none
+            o_part = torch.empty(batch, num_splits, heads, rank, dtype=torch.float32, device=q_latent.device)
+            lse_part = torch.empty(batch, num_splits, heads, dtype=torch.float32, device=q_latent.device)
         C().mla_decode(
             q_latent.data_ptr(), q_pe.data_ptr(), latent_cache.data_ptr(), latent_cache.stride(0),
             latent_cache.stride(1), block_size, block_tables.data_ptr(), block_tables.stride(0),
