@@ -20,7 +20,12 @@
 //      parallel: the V-independent part (norm factors, Tb, P) into a scratch
 //      buffer.
 //   2. kda_prefill_scan_kernel, one block per (sequence, head, V tile): walks
-//      the sequence's chunks in order carrying S [K, VT] in registers.
+//      the sequence's chunks in order carrying S [K, VT] in registers. Each
+//      chunk's inputs are loaded into registers while the chunk before is
+//      worked on, and independent sums (four tokens in stage 2, a thread's
+//      elements in stage 3) are interleaved: with one block of 4 warps per SM
+//      nothing else hides the latency (1.3-2.2x faster, same results to the
+//      bit: GPU_NOTES.md, session 10).
 //
 // Kernel 2's threads, for a V tile of VT columns and RG row groups:
 //
@@ -187,6 +192,39 @@ __global__ void __launch_bounds__(128) kda_prefill_chunk_kernel(PrefillParams p)
   }
 }
 
+// A chunk's inputs to the scan, in registers: loaded while the chunk before is worked on, so their
+// latency hides behind its stages 2 and 3 (one block of 4 warps per SM: nothing else would hide it).
+// Thread tid holds elements tid + i * kThreads of Tb | P and of the [C, VT] v tile (as stage 1 stores
+// them), norm factor tid (tid < 2 C), and the chunk's g, k, q in column c = tid (tid < KP).
+template <typename T, int KP, int VT, int kThreads>
+struct ChunkInputs {
+  static constexpr int kMats = kMatFloats / kThreads, kV = kChunk * VT / kThreads;
+  static_assert(kMatFloats % kThreads == 0 && kChunk * VT % kThreads == 0, "whole elements per thread");
+  static_assert(2 * kChunk <= kThreads && KP <= kThreads, "one norm factor and one column per thread at most");
+  float mats[kMats], v[kV], nf, g[kChunk], k[kChunk], q[kChunk];
+
+  __device__ __forceinline__ void load(const PrefillParams& p, int h, int tile, int64_t t0, int64_t id, int len) {
+    const int tid = threadIdx.x, K = p.key_dim, V = p.value_dim, H = p.heads;
+    const float* src = p.mats + (id * H + h) * kMatFloats;
+#pragma unroll
+    for (int i = 0; i < kMats; ++i) mats[i] = src[tid + i * kThreads];
+    nf = tid < 2 * kChunk && tid / 2 < len ? p.norms[((t0 + tid / 2) * H + h) * 2 + tid % 2] : 0.f;
+#pragma unroll
+    for (int i = 0; i < kV; ++i) {
+      const int e = tid + i * kThreads, t = e / VT, c = tile + e % VT;
+      v[i] = t < len && c < V ? to_float(static_cast<const T*>(p.v)[(t0 + t) * p.v_st + h * V + c]) : 0.f;
+    }
+    const int64_t at = static_cast<int64_t>(h) * K + tid;
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) {
+      const bool ok = t < len && tid < K;
+      g[t] = ok ? p.g[(t0 + t) * H * K + at] : 0.f;
+      k[t] = ok ? to_float(static_cast<const T*>(p.k)[(t0 + t) * p.k_st + at]) : 0.f;
+      q[t] = ok ? to_float(static_cast<const T*>(p.q)[(t0 + t) * p.q_st + at]) : 0.f;
+    }
+  }
+};
+
 // grid (N, H, ceil(V / VT)), block RG * VT / 2. KP: key_dim rounded up (64 or 128).
 template <typename T, int KP, int VT, int RG>
 __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillParams p) {
@@ -237,27 +275,32 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
   }
 
   const int64_t base_id = chunk_base(p, n);
+  auto chunk_len = [&](int64_t t0) { return static_cast<int>(end - t0 < kChunk ? end - t0 : kChunk); };
+  ChunkInputs<T, KP, VT, kThreads> in;
+  if (start < end) in.load(p, h, tile, start, base_id, chunk_len(start));
   for (int64_t t0 = start, id = base_id; t0 < end; t0 += kChunk, ++id) {
-    const int len = static_cast<int>(end - t0 < kChunk ? end - t0 : kChunk);
+    const int len = chunk_len(t0);
     // ---- stage 1: this chunk's inputs into shared memory
-    for (int e = threadIdx.x; e < 2 * kChunk; e += kThreads)
-      nf[e / 2][e % 2] = e / 2 < len ? p.norms[((t0 + e / 2) * H + h) * 2 + e % 2] : 0.f;
-    const float* mats = p.mats + (id * H + h) * kMatFloats;
-    for (int e = threadIdx.x; e < kChunk * kChunk; e += kThreads) {
-      tb[e / kChunk][e % kChunk] = mats[e];
-      pm[e / kChunk][e % kChunk] = mats[kChunk * kChunk + e];
+    if (threadIdx.x < 2 * kChunk) nf[threadIdx.x / 2][threadIdx.x % 2] = in.nf;
+#pragma unroll
+    for (int i = 0; i < in.kMats; ++i) {  // element e of Tb, then of P
+      const int e = threadIdx.x + i * kThreads, at = e % (kChunk * kChunk);
+      if (e < kChunk * kChunk) tb[at / kChunk][at % kChunk] = in.mats[i];
+      else pm[at / kChunk][at % kChunk] = in.mats[i];
     }
-    for (int e = threadIdx.x; e < kChunk * VT; e += kThreads) {
-      const int t = e / VT, c = tile + e % VT;
-      vx[t][e % VT] = t < len && c < V ? to_float(static_cast<const T*>(p.v)[(t0 + t) * p.v_st + h * V + c]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < in.kV; ++i) {
+      const int e = threadIdx.x + i * kThreads;
+      vx[e / VT][e % VT] = in.v[i];
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < KP; c += kThreads) {
+    if (threadIdx.x < KP) {
+      const int c = threadIdx.x;
       float cum[kChunk];
       float acc = 0.f;
 #pragma unroll
       for (int t = 0; t < kChunk; ++t) {
-        if (t < len && c < K) acc += p.g[((t0 + t) * H + h) * K + c];
+        if (t < len && c < K) acc += in.g[t];
         cum[t] = acc;
       }
       decay_last[c] = expf(acc);
@@ -265,9 +308,8 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
       for (int t = 0; t < kChunk; ++t) {
         float kv = 0.f, qv = 0.f;
         if (t < len && c < K) {
-          const int64_t at = static_cast<int64_t>(h) * K + c;
-          kv = to_float(static_cast<const T*>(p.k)[(t0 + t) * p.k_st + at]) * nf[t][1];
-          qv = to_float(static_cast<const T*>(p.q)[(t0 + t) * p.q_st + at]) * nf[t][0];
+          kv = in.k[t] * nf[t][1];
+          qv = in.q[t] * nf[t][0];
         }
         const float e = expf(cum[t]);
         kg[t][c] = kv * e;
@@ -275,52 +317,91 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
         kd[t][c] = kv * expf(acc - cum[t]);
       }
     }
+    // the next chunk's inputs, in flight during this one's stages 2 and 3
+    if (t0 + kChunk < end) in.load(p, h, tile, t0 + kChunk, id + 1, chunk_len(t0 + kChunk));
     __syncthreads();
 
-    // ---- stage 2: (k * exp(G)) S and (q * exp(G)) S per token, summed over the RG lanes
-    for (int t = 0; t < len; ++t) {
-      float2 x = make_float2(0.f, 0.f), y = x;
+    // ---- stage 2: (k * exp(G)) S and (q * exp(G)) S per token, summed over the RG lanes; four tokens at a
+    // time, as independent sums (rows past len are zero in kg and qg, and their sums are not stored)
+    for (int t4 = 0; t4 < len; t4 += 4) {
+      float2 x[4], y[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = y[u] = make_float2(0.f, 0.f);
 #pragma unroll
       for (int m = 0; m < kQuads; ++m) {
         const int row = 4 * (rg + RG * m);
-        const float4 k4 = *reinterpret_cast<const float4*>(&kg[t][row]);
-        const float4 q4 = *reinterpret_cast<const float4*>(&qg[t][row]);
         const float2* sm = s + 4 * m;
-        x.x = fmaf(k4.x, sm[0].x, fmaf(k4.y, sm[1].x, fmaf(k4.z, sm[2].x, fmaf(k4.w, sm[3].x, x.x))));
-        x.y = fmaf(k4.x, sm[0].y, fmaf(k4.y, sm[1].y, fmaf(k4.z, sm[2].y, fmaf(k4.w, sm[3].y, x.y))));
-        y.x = fmaf(q4.x, sm[0].x, fmaf(q4.y, sm[1].x, fmaf(q4.z, sm[2].x, fmaf(q4.w, sm[3].x, y.x))));
-        y.y = fmaf(q4.x, sm[0].y, fmaf(q4.y, sm[1].y, fmaf(q4.z, sm[2].y, fmaf(q4.w, sm[3].y, y.y))));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float4 k4 = *reinterpret_cast<const float4*>(&kg[t4 + u][row]);
+          const float4 q4 = *reinterpret_cast<const float4*>(&qg[t4 + u][row]);
+          x[u].x = fmaf(k4.x, sm[0].x, fmaf(k4.y, sm[1].x, fmaf(k4.z, sm[2].x, fmaf(k4.w, sm[3].x, x[u].x))));
+          x[u].y = fmaf(k4.x, sm[0].y, fmaf(k4.y, sm[1].y, fmaf(k4.z, sm[2].y, fmaf(k4.w, sm[3].y, x[u].y))));
+          y[u].x = fmaf(q4.x, sm[0].x, fmaf(q4.y, sm[1].x, fmaf(q4.z, sm[2].x, fmaf(q4.w, sm[3].x, y[u].x))));
+          y[u].y = fmaf(q4.x, sm[0].y, fmaf(q4.y, sm[1].y, fmaf(q4.z, sm[2].y, fmaf(q4.w, sm[3].y, y[u].y))));
+        }
       }
 #pragma unroll
-      for (int off = 1; off < RG; off *= 2) {
-        x.x += __shfl_xor_sync(0xffffffffu, x.x, off, kGroup);
-        x.y += __shfl_xor_sync(0xffffffffu, x.y, off, kGroup);
-        y.x += __shfl_xor_sync(0xffffffffu, y.x, off, kGroup);
-        y.y += __shfl_xor_sync(0xffffffffu, y.y, off, kGroup);
-      }
-      if (rg == t % RG) {
-        vx[t][2 * cp] -= x.x;
-        vx[t][2 * cp + 1] -= x.y;
-        ys[t][2 * cp] = y.x;
-        ys[t][2 * cp + 1] = y.y;
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int off = 1; off < RG; off *= 2) {
+          x[u].x += __shfl_xor_sync(0xffffffffu, x[u].x, off, kGroup);
+          x[u].y += __shfl_xor_sync(0xffffffffu, x[u].y, off, kGroup);
+          y[u].x += __shfl_xor_sync(0xffffffffu, y[u].x, off, kGroup);
+          y[u].y += __shfl_xor_sync(0xffffffffu, y[u].y, off, kGroup);
+        }
+        const int t = t4 + u;
+        if (t < len && rg == t % RG) {
+          vx[t][2 * cp] -= x[u].x;
+          vx[t][2 * cp + 1] -= x[u].y;
+          ys[t][2 * cp] = y[u].x;
+          ys[t][2 * cp + 1] = y[u].y;
+        }
       }
     }
     __syncthreads();
 
-    // ---- stage 3: U = Tb (V - X); then O = Y + P U and S = exp(G_last) S + kd^T U
-    for (int e = threadIdx.x; e < len * VT; e += kThreads) {
-      const int t = e / VT, c = e % VT;
-      float acc = 0.f;
-      for (int j = 0; j <= t; ++j) acc = fmaf(tb[t][j], vx[j][c], acc);
-      us[t][c] = acc;
+    // ---- stage 3: U = Tb (V - X); then O = Y + P U and S = exp(G_last) S + kd^T U. A thread's kE
+    // elements (tokens tid / VT + i kThreads / VT, column tid % VT) are summed side by side, each over j in
+    // order, so their chains of FMAs overlap.
+    constexpr int kE = kChunk * VT / kThreads;
+    const int c3 = threadIdx.x % VT, t3 = threadIdx.x / VT;  // element i: token t3 + i * kThreads / VT
+    {
+      float acc[kE];
+#pragma unroll
+      for (int i = 0; i < kE; ++i) acc[i] = 0.f;
+      for (int j = 0; j < len; ++j) {
+        const float x = vx[j][c3];
+#pragma unroll
+        for (int i = 0; i < kE; ++i) {
+          const int t = t3 + i * (kThreads / VT);
+          if (j <= t) acc[i] = fmaf(tb[t][j], x, acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kE; ++i) {
+        const int t = t3 + i * (kThreads / VT);
+        if (t < len) us[t][c3] = acc[i];
+      }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < len * VT; e += kThreads) {
-      const int t = e / VT, c = e % VT;
-      if (tile + c >= V) continue;
-      float acc = ys[t][c];
-      for (int j = 0; j <= t; ++j) acc = fmaf(pm[t][j], us[j][c], acc);
-      out[((t0 + t) * H + h) * V + tile + c] = from_float<T>(acc);
+    {
+      float acc[kE];
+#pragma unroll
+      for (int i = 0; i < kE; ++i) acc[i] = ys[t3 + i * (kThreads / VT)][c3];
+      for (int j = 0; j < len; ++j) {
+        const float u = us[j][c3];
+#pragma unroll
+        for (int i = 0; i < kE; ++i) {
+          const int t = t3 + i * (kThreads / VT);
+          if (j <= t) acc[i] = fmaf(pm[t][j], u, acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kE; ++i) {
+        const int t = t3 + i * (kThreads / VT);
+        if (t < len && tile + c3 < V) out[((t0 + t) * H + h) * V + tile + c3] = from_float<T>(acc[i]);
+      }
     }
 #pragma unroll
     for (int m = 0; m < kQuads; ++m) {

@@ -11,7 +11,7 @@ q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by K^-0.5; state
 [K, V] fp32), so only the slot gather/scatter is ours on that path. ``auto``
 takes fla for bf16/fp16 inputs at the head size it was measured at (K = V =
 128, Kimi-Linear's) where it is importable (``AUTO_PICKS_FLA``: it measured
-2.6-6.5x faster than ours on an H200) and ours otherwise (Triton autotunes
+1.7-2.1x faster than ours on an H200) and ours otherwise (Triton autotunes
 fla's kernels afresh for every head size, which took minutes per shape); fp32
 inputs always take ours, which meets the 1e-5 fp32 tolerance (fla's Triton
 matmuls round to bf16/tf32: 4.4e-3 from ours on bf16 inputs). The fla path
@@ -33,8 +33,8 @@ from atom.ops.cuda.kda import (check_slots_contiguous, check_state_pool, output_
 from atom.ops.cuda.reference import kda_prefill_ref
 
 BACKENDS = ("auto", "atom", "fla")
-# H200, bf16, H=32, K=V=128 (GPU_NOTES.md, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 1.7 / 2.5 ms
-# vs ours 8.3 / 11.0 / 6.6 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 2.6-6.5x faster.
+# H200, bf16, H=32, K=V=128 (GPU_NOTES.md, session 10, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 3.2 /
+# 2.7 ms vs ours 5.0 / 5.3 / 5.1 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 1.7-2.1x faster.
 AUTO_PICKS_FLA = True
 FLA_HEAD_DIMS = (128, 128)  # (K, V) where that was measured
 
