@@ -240,6 +240,7 @@ PREFILL_LENS = [1, 15, 16, 17, 100, 300]  # around the chunk size (16) and sever
         ([17, 1, 300, 16, 0, 15, 100], 3, 48, 40, True),  # odd K/V (K padded to 64), an empty sequence, other slots
         ([33, 64, 5], 2, 64, 200, False),  # four V tiles, the last partial
         ([300, 45, 1], 4, 100, 132, True),  # K padded to 128, odd V
+        ([70, 200, 16, 33], 32, 128, 128, True),  # 128 (sequence, head) rows: 32-column V tiles on 132 SMs
     ],
 )
 def test_kda_prefill(backend, dtype, lens, H, K, V, moved):
