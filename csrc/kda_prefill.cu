@@ -225,6 +225,22 @@ struct ChunkInputs {
   }
 };
 
+// Stage 3's products by a lower-triangular [C, C] matrix: acc[i] += sum over j <= t of m[t][j] x[j][c] for
+// this thread's tokens t = t0 + i * kStride, each summed over j in order. The kE sums run side by side, so
+// their chains of FMAs overlap (one block of 4 warps per SM: nothing else would hide their latency).
+template <int kStride, int kE, int VT>
+__device__ __forceinline__ void stage3_rows(float (&acc)[kE], const float (&m)[kChunk][kChunk],
+                                            const float (&x)[kChunk][VT], int t0, int c, int len) {
+  for (int j = 0; j < len; ++j) {
+    const float xj = x[j][c];
+#pragma unroll
+    for (int i = 0; i < kE; ++i) {
+      const int t = t0 + i * kStride;
+      if (j <= t) acc[i] = fmaf(m[t][j], xj, acc[i]);
+    }
+  }
+}
+
 // grid (N, H, ceil(V / VT)), block RG * VT / 2. KP: key_dim rounded up (64 or 128).
 template <typename T, int KP, int VT, int RG>
 __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillParams p) {
@@ -361,23 +377,14 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
     }
     __syncthreads();
 
-    // ---- stage 3: U = Tb (V - X); then O = Y + P U and S = exp(G_last) S + kd^T U. A thread's kE
-    // elements (tokens tid / VT + i kThreads / VT, column tid % VT) are summed side by side, each over j in
-    // order, so their chains of FMAs overlap.
+    // ---- stage 3: U = Tb (V - X); then O = Y + P U and S = exp(G_last) S + kd^T U
     constexpr int kE = kChunk * VT / kThreads;
-    const int c3 = threadIdx.x % VT, t3 = threadIdx.x / VT;  // element i: token t3 + i * kThreads / VT
+    const int c3 = threadIdx.x % VT, t3 = threadIdx.x / VT;  // this thread's elements (stage3_rows)
     {
       float acc[kE];
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = 0.f;
-      for (int j = 0; j < len; ++j) {
-        const float x = vx[j][c3];
-#pragma unroll
-        for (int i = 0; i < kE; ++i) {
-          const int t = t3 + i * (kThreads / VT);
-          if (j <= t) acc[i] = fmaf(tb[t][j], x, acc[i]);
-        }
-      }
+      stage3_rows<kThreads / VT>(acc, tb, vx, t3, c3, len);
 #pragma unroll
       for (int i = 0; i < kE; ++i) {
         const int t = t3 + i * (kThreads / VT);
@@ -389,14 +396,7 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
       float acc[kE];
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = ys[t3 + i * (kThreads / VT)][c3];
-      for (int j = 0; j < len; ++j) {
-        const float u = us[j][c3];
-#pragma unroll
-        for (int i = 0; i < kE; ++i) {
-          const int t = t3 + i * (kThreads / VT);
-          if (j <= t) acc[i] = fmaf(pm[t][j], u, acc[i]);
-        }
-      }
+      stage3_rows<kThreads / VT>(acc, pm, us, t3, c3, len);
 #pragma unroll
       for (int i = 0; i < kE; ++i) {
         const int t = t3 + i * (kThreads / VT);
