@@ -504,7 +504,8 @@ def test_mla_decode_workspace_only_where_read():
 
     def needs(kernel, splits, dtype=torch.bfloat16):
         return C.mla_decode_needs_workspace(ql.data_ptr(), qp.data_ptr(), cache.data_ptr(), cache.stride(0),
-                                            cache.stride(1), 3, 32, 512, 64, splits, dtype_code(dtype), kernel)  # fmt: skip
+                                            cache.stride(1), 3, 32, 512, 64, splits, dtype_code(dtype),
+                                            kernel)  # fmt: skip
 
     assert not needs(0, 1) and not needs(7, 1)  # one split: nothing to merge
     assert needs(7, 2) and needs(1, 2)  # merged by mla_combine_kernel
