@@ -243,6 +243,18 @@ int max_active_clusters(int splits) {
 }
 #endif
 
+// Whether a resolved kernel merges the splits itself, in a cluster, without o_part / lse_part (else
+// mla_combine_kernel merges them).
+bool merges_in_cluster(int kernel, int64_t num_splits) {
+#ifdef ATOM_MLA_MMA
+  return kernel == kMlaWarpgroupCluster && num_splits > 1 && num_splits <= wg::kMaxClusterSplits;
+#else
+  (void)kernel;
+  (void)num_splits;
+  return false;
+#endif
+}
+
 template <typename T, typename OutT>
 const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStream_t stream) {
   const char* err = nullptr;
@@ -264,7 +276,7 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
       err = launch_mma(mma::mla_decode_mma_kernel<16, true, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
     case kMlaWarpgroupCluster:
-      if (p.num_splits > 1 && p.num_splits <= wg::kMaxClusterSplits) return launch_cluster<OutT>(p, batch, stream);
+      if (merges_in_cluster(kernel, p.num_splits)) return launch_cluster<OutT>(p, batch, stream);
       // one split (nothing to merge) or more than a cluster holds: as kMlaWarpgroup (mla_combine_kernel merges)
       [[fallthrough]];
     case kMlaWarpgroup:
@@ -359,17 +371,6 @@ int resolve_kernel(int kernel, bool mma_fits, int64_t batch, int64_t heads, int6
     kernel = kMlaWarpgroupCluster;
 #endif
   return kernel;
-}
-
-// Whether a resolved kernel merges the splits itself, without o_part / lse_part (launch_decode's cases).
-bool merges_in_cluster(int kernel, int64_t num_splits) {
-#ifdef ATOM_MLA_MMA
-  return kernel == kMlaWarpgroupCluster && num_splits > 1 && num_splits <= wg::kMaxClusterSplits;
-#else
-  (void)kernel;
-  (void)num_splits;
-  return false;
-#endif
 }
 
 }  // namespace
