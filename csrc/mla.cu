@@ -20,7 +20,6 @@
 #define ATOM_MLA_MMA 1
 #include "mla_mma.cuh"
 #include "mla_wgmma.cuh"
-#include "mla_pair.cuh"
 #endif
 
 namespace atom {
@@ -183,11 +182,10 @@ const char* launch_mma(Kernel kernel, size_t smem, int threads, const MlaParams&
 // A launch of the warpgroup kernel whose clusters are `splits` blocks along x (one sequence's splits).
 class ClusterLaunch {
  public:
-  ClusterLaunch(dim3 grid, int splits, cudaStream_t stream, int threads = wg::kThreads,
-                size_t smem = wg::kSmemBytes) {
+  ClusterLaunch(dim3 grid, int splits, cudaStream_t stream) {
     config_.gridDim = grid;
-    config_.blockDim = dim3(threads);
-    config_.dynamicSmemBytes = smem;
+    config_.blockDim = dim3(wg::kThreads);
+    config_.dynamicSmemBytes = wg::kSmemBytes;
     config_.stream = stream;
     cluster_.id = cudaLaunchAttributeClusterDimension;
     cluster_.val.clusterDim.x = static_cast<unsigned>(splits);
@@ -220,20 +218,6 @@ const char* launch_cluster(const MlaParams& p, int64_t batch, cudaStream_t strea
   const ClusterLaunch launch(dim3(p.num_splits, static_cast<unsigned>(ceil_div(p.heads, wg::kHeads)),
                                   static_cast<unsigned>(batch)),
                              p.num_splits, stream);
-  err = cudaLaunchKernelEx(launch.config(), kernel, p);
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
-// The column-split kernel: a cluster of two blocks per (sequence, 32 heads).
-template <typename OutT>
-const char* launch_pair(const MlaParams& p, int64_t batch, cudaStream_t stream) {
-  auto kernel = pair::mla_decode_pair_kernel<OutT>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(pair::kSmemBytes));
-  if (err != cudaSuccess) return cudaGetErrorString(err);
-  const ClusterLaunch launch(
-      dim3(2, static_cast<unsigned>(ceil_div(p.heads, pair::kHeads)), static_cast<unsigned>(batch)), 2, stream,
-      pair::kThreads, pair::kSmemBytes);
   err = cudaLaunchKernelEx(launch.config(), kernel, p);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
@@ -291,8 +275,6 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
     case kMlaTensorCores16Bulk:
       err = launch_mma(mma::mla_decode_mma_kernel<16, true, true, OutT>, sizeof(mma::Smem), 16 * 32, p, batch, stream);
       break;
-    case kMlaWarpgroupPair:
-      return launch_pair<OutT>(p, batch, stream);
     case kMlaWarpgroupCluster:
       if (merges_in_cluster(kernel, p.num_splits)) return launch_cluster<OutT>(p, batch, stream);
       // one split (nothing to merge) or more than a cluster holds: as kMlaWarpgroup (mla_combine_kernel merges)
@@ -398,8 +380,7 @@ bool mla_decode_needs_workspace(uintptr_t q_latent, uintptr_t q_pe, uintptr_t ca
                                 int64_t num_splits, int dtype, int kernel) {
   if (num_splits <= 1) return false;
   const bool mma_fits = tensor_cores_fit(q_latent, q_pe, cache, block_stride, row_stride, rank, rope_dim, dtype);
-  kernel = resolve_kernel(kernel, mma_fits, batch, heads, num_splits);
-  return kernel != kMlaWarpgroupPair && !merges_in_cluster(kernel, num_splits);
+  return !merges_in_cluster(resolve_kernel(kernel, mma_fits, batch, heads, num_splits), num_splits);
 }
 
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
@@ -415,11 +396,10 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
   const bool idx_ok = (block_table_dtype == kInt32 || block_table_dtype == kInt64) &&
                       (seq_lens_dtype == kInt32 || seq_lens_dtype == kInt64);
   if (!idx_ok) return "mla_decode: block_tables and seq_lens must be int32 or int64";
-  if (kernel < kMlaAuto || kernel > kMlaWarpgroupPair) return "mla_decode: unknown kernel (MlaKernel)";
+  if (kernel < kMlaAuto || kernel > kMlaWarpgroupCluster) return "mla_decode: unknown kernel (MlaKernel)";
   const bool mma_fits = tensor_cores_fit(q_latent, q_pe, cache, block_stride, row_stride, rank, rope_dim, dtype);
   kernel = resolve_kernel(kernel, mma_fits, batch, heads, num_splits);
-  if (num_splits > 1 && kernel != kMlaWarpgroupPair && !merges_in_cluster(kernel, num_splits) &&
-      (o_part == 0 || lse_part == 0))
+  if (num_splits > 1 && !merges_in_cluster(kernel, num_splits) && (o_part == 0 || lse_part == 0))
     return "mla_decode: num_splits > 1 needs o_part and lse_part (mla_decode_needs_workspace)";
   if (batch == 0) return nullptr;
   MlaParams p{reinterpret_cast<const void*>(q_latent),
@@ -445,8 +425,7 @@ const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int6
   if (kernel != kMlaCudaCores && !mma_fits)
     return "mla_decode: the tensor-core kernels need bf16, rank 512, rope 64, 16-byte aligned rows (CUDA)";
   if (kernel == kMlaTensorCores16Bulk && !has_sm90()) return "mla_decode: bulk copies need an sm_90+ GPU";
-  if ((kernel == kMlaWarpgroup || kernel == kMlaWarpgroupCluster || kernel == kMlaWarpgroupPair) &&
-      !mla_decode_has_warpgroup_mma())
+  if ((kernel == kMlaWarpgroup || kernel == kMlaWarpgroupCluster) && !mla_decode_has_warpgroup_mma())
     return "mla_decode: warpgroup MMAs need an sm_90a build (CMAKE_CUDA_ARCHITECTURES 90a) and an sm_90 GPU";
   if (kernel == kMlaCudaCores && rank > kGenericThreads * kGenericMaxCols) return "mla_decode: rank must be <= 1024";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "mla_decode", [&]() {

@@ -126,8 +126,6 @@ enum MlaKernel : int {
   kMlaTensorCores16Bulk = 6,  // as 5, rows moved by sm_90 bulk copies (cp.async.bulk + mbarrier)
   kMlaWarpgroup = 7,          // sm_90a warpgroup MMAs, operands from shared memory (csrc/mla_wgmma.cuh)
   kMlaWarpgroupCluster = 8,   // as 7, 2-8 splits of a sequence merged inside a thread-block cluster (more: as 7)
-  kMlaWarpgroupPair = 9,      // sm_90a, a cluster of two blocks per sequence splitting the cache's columns
-                              // (csrc/mla_pair.cuh); num_splits is not used
 };
 const char* mla_decode(uintptr_t q_latent, uintptr_t q_pe, uintptr_t cache, int64_t block_stride,
                        int64_t row_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,

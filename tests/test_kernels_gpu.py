@@ -386,7 +386,7 @@ def test_mla_decode(dtype, R, P, H, block_size, lens, splits, out_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [2, 3, 4, 5, 6, 7, 8, 9])  # MlaKernel: tensor-core variants, forced
+@pytest.mark.parametrize("kernel", [2, 3, 4, 5, 6, 7, 8])  # MlaKernel: tensor-core variants, forced
 @pytest.mark.parametrize(
     "H, block_size, lens, splits",
     [(32, 16, [1, 63, 64, 65, 1000], None), (40, 7, [500, 129, 0, 7], 3), (16, 64, [2048, 17], 1),
@@ -408,7 +408,7 @@ def test_mla_decode_tensor_core_variants(kernel, H, block_size, lens, splits):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [0, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [0, 7, 8])
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
     """Rows past each sequence's end (in its last block, and unused blocks) hold NaN: the output must not
@@ -431,7 +431,7 @@ def test_mla_decode_ignores_nan_rows_past_the_end(kernel, block_size):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [0, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [0, 7, 8])
 @pytest.mark.parametrize("splits", [None, 2, 5])
 def test_mla_decode_scores_jump_late(kernel, splits):
     """A few late rows are scaled up (one with its sign flipped), so some heads' scores there are far above
@@ -456,7 +456,7 @@ def test_mla_decode_scores_jump_late(kernel, splits):
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [0, 1, 7, 8, 9])
+@pytest.mark.parametrize("kernel", [0, 1, 7, 8])
 def test_mla_decode_block_table_view(kernel):
     """Block tables as the first columns of a wider table (row stride > width) whose other columns hold
     block ids far past the cache: rows are found at the stride, and only entries below seq_len are used."""
