@@ -35,6 +35,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+try:  # the read-only reference row (CUDA builds of torch come with Triton)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 from atom.ops._C_loader import get_C  # noqa: E402
 from atom.ops.cuda._launch import dtype_code  # noqa: E402
 from atom.ops.cuda.mla import _num_sms, choose_num_splits  # noqa: E402
@@ -301,6 +307,29 @@ def bench_mla(
     return {"op": name, "bytes": moved, **times, "tflops": flops / times["us"] / 1e6}
 
 
+if triton is not None:
+
+    @triton.jit
+    def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(x.to(tl.float32), axis=0))
+
+
+def bench_read(nbytes: int, label: str) -> dict:
+    """A kernel that does nothing but read `nbytes`, timed like the others: about the most any kernel moving
+    that many bytes reaches here. At a few hundred MB reads alone run at the copy ceiling (read + write) or a
+    little above it; at tens of MB the launch and the ramp up and down weigh in."""
+    n, block = nbytes // 2, 4096
+
+    def make():
+        x = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(triton.cdiv(n, block), device="cuda")
+        return lambda: _read_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
+
+    return {"op": f"read-only reference, {label}", "bytes": nbytes, **timings(make, nbytes)}
+
+
 def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
     cache = torch.randint(0, 255, (num * 2, block_bytes), dtype=torch.uint8, device="cuda")
     staging = torch.empty(num, block_bytes, dtype=torch.uint8, device="cuda")
@@ -340,8 +369,10 @@ def main() -> None:
         ("kda_decode B=64 T=3 per-token", lambda: bench_kda(C, 64, tokens=3, per_token=True)),
         ("kda_decode B=64 T=3", lambda: bench_kda(C, 64, tokens=3, per_token=False)),
     ]
-    for ctx in (2048, 4096):
+    for ctx in (1024, 2048, 4096):
         cases += [(f"mla_decode B={b} ctx={ctx} bs=16", lambda b=b, c=ctx: bench_mla(C, b, c)) for b in batches]
+        if triton is not None:  # the same bytes as the cache of B=64, read by a kernel that does nothing else
+            cases.append((f"read B=64 ctx={ctx}", lambda c=ctx: bench_read(64 * c * 576 * 2, f"B=64 ctx={c} cache")))
     for k in (3, 5, 6, 7, 8):  # MlaKernel variants, forced
         for b in (16, 64, 128):
             cases.append((f"mla_decode B={b} ctx=4096 bs=16 k={k}", lambda b=b, k=k: bench_mla(C, b, 4096, kernel=k)))
