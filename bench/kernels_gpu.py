@@ -18,7 +18,9 @@ MLA decode, the time per launch of the same kernel back to back in one CUDA
 graph, as the engine's decode steps run it, over enough copies of its inputs
 that none is still in L2 when it comes round again (the event-timed figure
 also holds one launch's fixed cost plus the ~2.7 us more that an event-timed
-launch costs than one inside a graph). Realistic Kimi-Linear sizes: KDA H=32,
+launch costs than one inside a graph). Next to the MLA rows, a Triton kernel that does
+nothing but read the bytes of the B=64 cache (where Triton imports) shows how much of
+the ceiling any kernel moving that many bytes reaches here. Realistic Kimi-Linear sizes: KDA H=32,
 K=V=128 (fp32 state, bf16 activations); MLA H=32, rank 512 + rope 64, bf16
 cache, block size 16.
 """
