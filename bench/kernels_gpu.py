@@ -323,11 +323,12 @@ def bench_read(nbytes: int, label: str) -> dict:
     that many bytes reaches here. At a few hundred MB reads alone run at the copy ceiling (read + write) or a
     little above it; at tens of MB the launch and the ramp up and down weigh in."""
     n, block = nbytes // 2, 4096
+    programs = triton.cdiv(n, block)
 
     def make():
         x = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(triton.cdiv(n, block), device="cuda")
-        return lambda: _read_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=4)
+        out = torch.empty(programs, device="cuda")
+        return lambda: _read_kernel[(programs,)](x, out, n, BLOCK=block, num_warps=4)
 
     return {"op": f"read-only reference, {label}", "bytes": nbytes, **timings(make, nbytes)}
 
