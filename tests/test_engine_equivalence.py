@@ -111,3 +111,29 @@ def test_bfloat16_engine_runs_and_follows_auto_dtype(ckpt, make_llm):
     # dtype="auto" follows config.json (the test checkpoints were saved in float32)
     auto = make_llm(ckpt, dtype="auto")
     assert auto.config.torch_dtype == torch.float32
+
+
+# Settings that each have their own test above, stacked: the paths they take must also compose.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+STACKED = [
+    ("kimi", dict(max_num_batched_tokens=7, num_state_slots=2, async_scheduling=True, num_scheduler_steps=4)),
+    ("kimi", dict(max_num_batched_tokens=7, async_scheduling=True, speculative_config=NGRAM)),
+    ("llama", dict(max_num_batched_tokens=3, enable_prefix_caching=True, async_scheduling=True, num_scheduler_steps=4)),
+    ("llama", dict(enable_prefix_caching=True, speculative_config=NGRAM)),
+]
+
+
+@pytest.mark.parametrize("model,settings", STACKED, ids=["kimi-multi", "kimi-ngram", "llama-multi", "llama-ngram"])
+def test_stacked_settings_with_preemption_equal_the_default(model, settings, kimi_ckpt, llama_ckpt, make_llm):
+    ckpt = kimi_ckpt if model == "kimi" else llama_ckpt
+    shared = list(range(40, 64))  # a common prefix, for the runs with prefix caching
+    prompts = [{"prompt_token_ids": shared + p} for p in PROMPTS[:4]] + _inputs()[4:]
+    reference = _tokens(make_llm(ckpt).generate(prompts, GREEDY))
+    # 24 blocks of 4 tokens: each request fits alone (at most 57 + 20 tokens), all six at once do not.
+    llm = make_llm(ckpt, block_size=4, num_gpu_blocks=24, max_model_len=80, **settings)
+    assert _tokens(llm.generate(prompts, GREEDY)) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    again = llm.generate(prompts, GREEDY)
+    assert _tokens(again) == reference
+    if llm.engine.kv.enable_prefix_caching:  # (a hybrid model keeps it off)
+        assert any(o.num_cached_tokens >= len(shared) for o in again)
