@@ -116,16 +116,18 @@ def test_bfloat16_engine_runs_and_follows_auto_dtype(ckpt, make_llm):
 # Settings that each have their own test above, stacked: the paths they take must also compose.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 STACKED = [
-    ("kimi", dict(max_num_batched_tokens=7, num_state_slots=2, async_scheduling=True, num_scheduler_steps=4)),
-    ("kimi", dict(max_num_batched_tokens=7, async_scheduling=True, speculative_config=NGRAM)),
-    ("llama", dict(max_num_batched_tokens=3, enable_prefix_caching=True, async_scheduling=True, num_scheduler_steps=4)),
-    ("llama", dict(enable_prefix_caching=True, speculative_config=NGRAM)),
+    pytest.param("kimi", dict(max_num_batched_tokens=7, num_state_slots=2, async_scheduling=True,
+                              num_scheduler_steps=4), False, id="kimi-multi"),
+    pytest.param("kimi", dict(max_num_batched_tokens=7, async_scheduling=True, speculative_config=NGRAM), False,
+                 id="kimi-ngram"),
+    pytest.param("llama", dict(max_num_batched_tokens=3, enable_prefix_caching=True, async_scheduling=True,
+                               num_scheduler_steps=4), True, id="llama-multi"),
+    pytest.param("llama", dict(enable_prefix_caching=True, speculative_config=NGRAM), True, id="llama-ngram"),
 ]
 
 
-@pytest.mark.parametrize("model,settings", STACKED, ids=["kimi-multi", "kimi-ngram", "llama-multi", "llama-ngram"])
-def test_stacked_settings_with_preemption_equal_the_default(model, settings, kimi_ckpt, llama_ckpt, make_llm):
-    ckpt = kimi_ckpt if model == "kimi" else llama_ckpt
+@pytest.mark.parametrize("ckpt,settings,prefix_hits", STACKED, indirect=["ckpt"])
+def test_stacked_settings_with_preemption_equal_the_default(ckpt, settings, prefix_hits, make_llm):
     shared = list(range(40, 64))  # a common prefix, for the runs with prefix caching
     prompts = [{"prompt_token_ids": shared + p} for p in PROMPTS[:4]] + _inputs()[4:]
     reference = _tokens(make_llm(ckpt).generate(prompts, GREEDY))
@@ -135,5 +137,5 @@ def test_stacked_settings_with_preemption_equal_the_default(model, settings, kim
     assert llm.engine.scheduler.num_preemptions > 0
     again = llm.generate(prompts, GREEDY)
     assert _tokens(again) == reference
-    if llm.engine.kv.enable_prefix_caching:  # (a hybrid model keeps it off)
+    if prefix_hits:  # (the hybrid model keeps prefix caching off: test_hybrid_model_keeps_prefix_caching_off)
         assert any(o.num_cached_tokens >= len(shared) for o in again)
