@@ -181,7 +181,7 @@ def _poison(pool: torch.Tensor, read: set, written: set) -> None:
         (7, 1, 2, 48, 40, "inplace"),  # generic kernel (odd sizes)
         (4, 3, 32, 128, 128, "per_token"),  # 1 + 2 speculative tokens, state after every token
         (3, 2, 4, 128, 132, "moved"),  # two tokens, final state only
-        (2, 6, 3, 128, 128, "per_token"),  # fast path, tokens past one chunk of loaded inputs (4)
+        (2, 6, 3, 128, 128, "per_token"),  # fast path, 1 + 5 speculative tokens, state after every token
         (3, 5, 2, 64, 72, "moved"),  # fast path, K = 64, five tokens, final state only
         (6, 3, 5, 24, 36, "per_token"),  # generic kernel, per-token slots
         (5, 2, 2, 48, 40, "moved"),  # generic kernel, two tokens into another slot
