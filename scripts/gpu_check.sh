@@ -8,6 +8,8 @@
 #   SKIP_BENCH=1 bash scripts/gpu_check.sh      # build and tests only
 #   WITH_KERNEL_BENCH=1 bash scripts/gpu_check.sh  # also bench/kernels_gpu.py --graph
 #   SKIP_FLA=1 bash scripts/gpu_check.sh        # without fla's tests (Triton autotunes them afresh, minutes)
+#   SANITIZE=1 SKIP_BENCH=1 bash scripts/gpu_check.sh  # also the kernel tests under compute-sanitizer's four
+#                                               # tools, and the engine's GPU tests under memcheck (~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -24,7 +26,8 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD, log to $OUT/NAME.txt, note its 
   local name=$1 limit=$2 t0=$SECONDS; shift 2
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
-  echo "$name: rc=$rc in $((SECONDS - t0)) s (limit $limit); $(grep -v -i warn "$OUT/$name.txt" | tail -1)" | tee -a "$OUT/summary.txt"
+  # the stage's last log line, skipping pytest's lines about warnings (its count line, "1 warning in", stays)
+  echo "$name: rc=$rc in $((SECONDS - t0)) s (limit $limit); $(grep -v -E "Warning|warnings.html|_warn_or_fail|^ *$" "$OUT/$name.txt" | tail -1)" | tee -a "$OUT/summary.txt"
   return $rc
 }
 stage build 240 python3 setup.py build_ext --inplace -j 16 || { tail -40 "$OUT/build.txt"; exit 1; }
@@ -32,6 +35,16 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_build.py
 # fla's tests last (below): Triton autotunes fla's kernels afresh on each new machine, which can take minutes
 stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py -k "not fla"
+if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary line is the stage's last line)
+  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck racecheck synccheck initcheck; do
+    report=""; [ $tool = racecheck ] && report="--racecheck-report hazard"
+    stage "sanitize_$tool" ${SANITIZE_LIMIT:-300} "$CS" --tool $tool $report --error-exitcode 1 \
+      $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py -k "not fla"
+  done
+  stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
+    $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py
+fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 # 128 new tokens: eight 16-step rounds, so the rounds' edges (first and last) weigh little in the figure
 stage decode ${DECODE_LIMIT:-280} python3 bench/decode_gpu.py --batches 1,16,64 --output-len 128 --multi-step 16 --async-too
