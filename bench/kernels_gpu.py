@@ -3,6 +3,7 @@
     python bench/kernels_gpu.py                 # every kernel, default sizes
     python bench/kernels_gpu.py --json out.json
     python bench/kernels_gpu.py --only kda_prefill   # prefill: ours vs fla vs torch chunked, side by side
+    python bench/kernels_gpu.py --only moe_gemv      # routed experts at decode sizes: gemv vs grouped
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -333,6 +334,61 @@ def bench_read(nbytes: int, label: str) -> dict:
     return {"op": f"read-only reference, {label}", "bytes": nbytes, **timings(make, nbytes)}
 
 
+def bench_moe(tokens: int, experts: int, top_k: int, dim: int = 2304, inter: int = 1024) -> dict:
+    """One MoE layer at decode sizes, bf16, routed experts plus one shared expert of their size (as in
+    Kimi-Linear): ``SparseMoE``'s gemv path (``csrc/moe_gemv.cu``, the shared expert in the same two
+    kernels) against what it runs with that path off (the shared expert's own MLP, then the grouped
+    matmuls below 32 tokens or every expert from 32). Both timed as ``graph_us`` times: 16 calls back to
+    back in one CUDA graph, as the engine's decode step runs them, each with its own routing and inputs,
+    over enough copies of the weights that a call finds few of its experts in L2. Bytes: the picked
+    experts' weights, each expert read once, the shared expert's, x and the output."""
+    from atom.layers import moe
+
+    bf16 = torch.bfloat16
+
+    def weight(*shape):
+        return torch.randn(*shape, dtype=bf16, device="cuda") * 0.02
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    copies = -(-8 * l2 // (experts * 3 * inter * dim * 2))  # 1 at E=256 (3.6 GB), 4 at E=16
+    layers = []
+    for _ in range(copies):
+        with torch.device("meta"):
+            layer, mlp = moe.RoutedExperts(experts, dim, inter, bf16), moe.GatedMLP(dim, inter, bf16)
+        layer.register_buffer("gate_up_proj", weight(experts, 2 * inter, dim))
+        layer.register_buffer("down_proj", weight(experts, dim, inter))
+        mlp.gate_up.weight, mlp.down_proj.weight = weight(2 * inter, dim), torch.nn.Parameter(weight(dim, inter))
+        layers.append((layer, mlp))
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    calls, moved = [], 0
+    for i in range(16):
+        x = torch.randn(tokens, dim, dtype=bf16, device="cuda", generator=gen)
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices
+        weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+        calls.append((*layers[i % copies], x, weights, ids))
+        moved += (ids.unique().numel() + 1) * 3 * inter * dim * 2 + 2 * tokens * dim * 2
+
+    def gemv(layer, mlp, x, weights, ids):
+        return layer.forward_gemv(x, weights, ids, shared=mlp.stacked_weights())
+
+    def baseline(layer, mlp, x, weights, ids):
+        saved, moe.GEMV_MAX_TOKENS = moe.GEMV_MAX_TOKENS, 0
+        try:
+            return layer(x, weights, ids, addend=mlp(x))
+        finally:
+            moe.GEMV_MAX_TOKENS = saved
+
+    ref, out = baseline(*calls[0]).float(), gemv(*calls[0]).float()
+    err = ((out - ref).norm() / ref.norm()).item()
+    gemv_us = graph_us([lambda c=c: gemv(*c) for c in calls])
+    base_us = graph_us([lambda c=c: baseline(*c) for c in calls])
+    name = "shared MLP + " + ("grouped" if tokens < moe.ALL_EXPERTS_MIN_TOKENS else "all experts")
+    print(f"moe T={tokens} E={experts} k={top_k} + shared: gemv {gemv_us:.1f} us, {name} {base_us:.1f} us: "
+          f"{base_us / gemv_us:.2f}x (outputs differ by {err:.1e})", flush=True)  # fmt: skip
+    return {"op": f"moe_gemv T={tokens} E={experts} k={top_k} +shared D={dim} I={inter}", "bytes": moved // 16,
+            "us": gemv_us, "baseline": name, "baseline_us": base_us}
+
+
 def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
     cache = torch.randint(0, 255, (num * 2, block_bytes), dtype=torch.uint8, device="cuda")
     staging = torch.empty(num, block_bytes, dtype=torch.uint8, device="cuda")
@@ -392,6 +448,9 @@ def main() -> None:
     cases += [(f"rms_norm rows={r} residual={a}", lambda r=r, a=a: bench_rms_norm(C, r, residual=a))
               for r in (64, 16384) for a in (False, True)]  # fmt: skip
     cases += [(f"router_logits T={t}", lambda t=t: bench_router(C, t)) for t in (1, 64, 256)]
+    for experts, top_k in ((256, 8), (16, 4)):  # Kimi-Linear's routing; bench/decode_gpu.py's model
+        cases += [(f"moe_gemv T={t} E={experts}", lambda t=t, e=experts, k=top_k: bench_moe(t, e, k))
+                  for t in (1, 2, 4, 8, 16, 32)]  # fmt: skip
     for gather in (True, False):
         name = "gather_blocks" if gather else "scatter_blocks"
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))

@@ -234,4 +234,30 @@ PYBIND11_MODULE(_C, m) {
       "weighted sum of each token's expert outputs (+ addend)", py::arg("y"), py::arg("pos"), py::arg("weights"),
       py::arg("addend"), py::arg("out"), py::arg("tokens"), py::arg("top_k"), py::arg("dim"), py::arg("pick_stride"),
       py::arg("dtype"), py::arg("stream"));
+  m.def(
+      "moe_gemv_up",
+      [](uintptr_t x, int64_t x_stride, uintptr_t ids, int64_t tokens, int64_t top_k, uintptr_t w,
+         int64_t expert_stride, int64_t inter, uintptr_t shared_w, int64_t shared_inter, uintptr_t act, int64_t dim,
+         int dtype, uintptr_t stream) {
+        check(atom::moe_gemv_up(x, x_stride, ids, tokens, top_k, w, expert_stride, inter, shared_w, shared_inter, act,
+                                dim, dtype, stream));
+      },
+      "picked (and shared) experts' gate_up rows times each token, then silu_mul", py::arg("x"), py::arg("x_stride"),
+      py::arg("ids"), py::arg("tokens"), py::arg("top_k"), py::arg("w"), py::arg("expert_stride"), py::arg("inter"),
+      py::arg("shared_w"), py::arg("shared_inter"), py::arg("act"), py::arg("dim"), py::arg("dtype"),
+      py::arg("stream"));
+
+  m.def(
+      "moe_gemv_down",
+      [](uintptr_t act, uintptr_t ids, uintptr_t weights, int64_t tokens, int64_t top_k, uintptr_t w,
+         int64_t expert_stride, int64_t inter, uintptr_t shared_act, uintptr_t shared_w, int64_t shared_inter,
+         uintptr_t addend, uintptr_t out, int64_t dim, int dtype, uintptr_t stream) {
+        check(atom::moe_gemv_down(act, ids, weights, tokens, top_k, w, expert_stride, inter, shared_act, shared_w,
+                                  shared_inter, addend, out, dim, dtype, stream));
+      },
+      "picked experts' down rows times their activations, summed per token (+ addend or shared expert)",
+      py::arg("act"), py::arg("ids"), py::arg("weights"), py::arg("tokens"), py::arg("top_k"), py::arg("w"),
+      py::arg("expert_stride"), py::arg("inter"), py::arg("shared_act"), py::arg("shared_w"),
+      py::arg("shared_inter"), py::arg("addend"), py::arg("out"), py::arg("dim"), py::arg("dtype"),
+      py::arg("stream"));
 }

@@ -218,4 +218,30 @@ const char* advance_decode(uintptr_t rows, int64_t row_stride, uintptr_t tables,
 const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens,
                         int64_t top_k, int64_t dim, int64_t pick_stride, int dtype, uintptr_t stream);
 
+// ---- moe_gemv.cu: routed experts at decode batch sizes, over the picked experts' weights only.
+//
+// moe_gemv_up: x [tokens, dim] (row stride x_stride), ids int64 [tokens,
+// top_k], w [experts, 2 * inter, dim] (gate rows, then up rows; expert e at
+// w + e * expert_stride elements, rows contiguous). Writes act [tokens *
+// top_k, inter] (contiguous) = round(silu(round(x . gate))) * round(x . up)
+// for each (token, pick) pair, the grouped path's gate_up matmul and silu_mul.
+// With shared_w [2 * shared_inter, dim] (0: none), also the shared expert's
+// activation of every token, [tokens, shared_inter] right after the pairs'.
+const char* moe_gemv_up(uintptr_t x, int64_t x_stride, uintptr_t ids, int64_t tokens, int64_t top_k, uintptr_t w,
+                        int64_t expert_stride, int64_t inter, uintptr_t shared_w, int64_t shared_inter, uintptr_t act,
+                        int64_t dim, int dtype, uintptr_t stream);
+
+// moe_gemv_down: act [tokens * top_k, inter] from moe_gemv_up, ids int64 and
+// weights fp32 [tokens, top_k], w [experts, dim, inter] (expert e at w + e *
+// expert_stride). Writes out [tokens, dim] = round(sum_j weights[t, j] *
+// round(act[t * top_k + j] . w[ids[t, j]])), summed in fp32 in pick order,
+// plus an addend rounded as a separate add: addend [tokens, dim] (0 = none),
+// or, with shared_w [dim, shared_inter], the shared expert's output
+// round(shared_act[t] . shared_w) from its activations shared_act [tokens,
+// shared_inter]. All contiguous, `dtype` but ids and weights.
+const char* moe_gemv_down(uintptr_t act, uintptr_t ids, uintptr_t weights, int64_t tokens, int64_t top_k, uintptr_t w,
+                          int64_t expert_stride, int64_t inter, uintptr_t shared_act, uintptr_t shared_w,
+                          int64_t shared_inter, uintptr_t addend, uintptr_t out, int64_t dim, int dtype,
+                          uintptr_t stream);
+
 }  // namespace atom

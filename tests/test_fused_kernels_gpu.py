@@ -158,6 +158,54 @@ def test_moe_combine_expert_major(dtype, tokens, experts, top_k, dim):
     rows = (ids * tokens + torch.arange(tokens).unsqueeze(1)).flatten()
     assert rel_err(out, fused.moe_combine_ref(y, rows, weights, addend)) < TOL[dtype]
 
+# (tokens, experts, top_k, dim, inter): the bench model (E=16, k=4) and Kimi-Linear's k=8; tokens sharing
+# experts (3 tokens of 4 experts, k=3); more picks than moe_gemv_down loads together (6, 9); one pick; an
+# intermediate size that leaves a warp's second row past the end (40, 8 in fp32 / 5 in bf16 vectors);
+# sizes no 16-byte vector divides (the element loops: dim 50, inter 37)
+MOE_GEMV_SHAPES = [(1, 16, 4, 2304, 1024), (4, 32, 8, 2304, 1024), (3, 4, 3, 256, 40), (2, 12, 9, 128, 96),
+                   (5, 7, 6, 64, 48), (2, 5, 1, 64, 16), (5, 7, 3, 50, 37)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+@pytest.mark.parametrize("tokens,experts,top_k,dim,inter", MOE_GEMV_SHAPES)
+@pytest.mark.parametrize("extra", ["none", "addend", "shared", "wider shared"])
+def test_moe_gemv(dtype, tokens, experts, top_k, dim, inter, extra):
+    """Routed experts alone, plus an addend, plus a shared expert of the routed experts' size or twice it."""
+    gate_up = (torch.randn(experts, 2 * inter, dim) * dim**-0.5).to(dtype)
+    down = (torch.randn(experts, dim, inter) * inter**-0.5).to(dtype)
+    wide = torch.randn(tokens, dim + 8).to(dtype)  # x at a row stride other than its width
+    x = wide[:, 8:]
+    ids = torch.rand(tokens, experts).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k) + 0.1
+    addend = torch.randn(tokens, dim).to(dtype) if extra == "addend" else None
+    shared = None
+    if "shared" in extra:
+        s_inter = inter * (2 if extra == "wider shared" else 1)
+        shared = ((torch.randn(2 * s_inter, dim) * dim**-0.5).to(dtype),
+                  (torch.randn(dim, s_inter) * s_inter**-0.5).to(dtype))  # fmt: skip
+    (cx, cw, ci), (gx, gw, gi) = _cpu_and_gpu(wide, weights, ids)
+    _poison_allocator()
+    out = fused.moe_gemv(gx[:, 8:], gw, gi, gate_up.cuda(), down.cuda(), None if addend is None else addend.cuda(),
+                         None if shared is None else (shared[0].cuda(), shared[1].cuda()))  # fmt: skip
+    ref = fused.moe_gemv_ref(x, weights, ids, gate_up, down, addend, shared)
+    assert ref.abs().max() > 0 and out.shape == ref.shape
+    assert rel_err(out, ref) < TOL.get(dtype, 1e-2)
+
+
+def test_moe_gemv_reads_only_the_picked_experts():
+    """NaN in every expert no token picked changes nothing; NaN in a picked expert reaches its token only."""
+    gate_up, down = torch.randn(8, 64, 128).cuda(), torch.randn(8, 128, 32).cuda()
+    ids = torch.tensor([[0, 2], [2, 5], [7, 5]]).cuda()
+    weights, x = (torch.rand(3, 2) + 0.1).cuda(), torch.randn(3, 128).cuda()
+    before = fused.moe_gemv(x, weights, ids, gate_up, down)
+    for e in (1, 3, 4, 6):
+        gate_up[e], down[e] = float("nan"), float("nan")
+    assert torch.equal(fused.moe_gemv(x, weights, ids, gate_up, down), before)
+    down[7] = float("nan")  # picked by token 2 only
+    after = fused.moe_gemv(x, weights, ids, gate_up, down)
+    assert torch.isnan(after[2]).all() and torch.equal(after[:2], before[:2])
+
+
 @pytest.mark.parametrize("n,width,block_size", [(1, 4, 16), (11, 16, 4), (300, 320, 1)])
 def test_advance_decode(n, width, block_size):
     """The decode buffers one step on: columns < n exactly as the reference moves them, the rest untouched."""

@@ -1,7 +1,7 @@
-"""The routed experts' three execution paths (loop, grouped, dense) agree.
+"""The routed experts' execution paths (loop, gemv, grouped, dense, all experts) agree.
 
-The loop is the reference; the grouped and dense paths are what GPUs run
-(bf16 grouped matmuls; dense for other dtypes), here exercised on the CPU in
+The loop is the reference; the others are what GPUs run (gemv for a few
+tokens, bf16 grouped matmuls; dense for other dtypes), here exercised on the CPU in
 fp32, where torch's grouped matmul has a fallback, so the bookkeeping
 (sorting pairs by expert, group ends, unsorting, summing picks) is checked
 without a GPU. tests/test_gpu_engine.py covers them on the device.
@@ -38,7 +38,7 @@ def _routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator, sk
 
 @pytest.mark.parametrize("tokens", [1, 3, 16, 64])
 @pytest.mark.parametrize("skew", [False, True])
-def test_grouped_dense_and_all_experts_match_the_expert_loop(tokens: int, skew: bool) -> None:
+def test_gemv_grouped_dense_and_all_experts_match_the_expert_loop(tokens: int, skew: bool) -> None:
     experts = _experts(num_experts=8, hidden=48, inter=24, seed=tokens)
     gen = torch.Generator().manual_seed(100 + tokens)
     x = torch.randn(tokens, 48, generator=gen)
@@ -49,7 +49,9 @@ def test_grouped_dense_and_all_experts_match_the_expert_loop(tokens: int, skew: 
         dense = experts._forward_dense(x, weights, ids)
         shared = torch.randn(tokens, 48, generator=gen)
         all_experts = experts.forward_all_experts(x, weights, ids, addend=shared)
+        gemv = experts.forward_gemv(x, weights, ids, addend=shared)  # CPU: fused.moe_gemv_ref
     assert ref.abs().max() > 0
+    torch.testing.assert_close(gemv, ref + shared, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(all_experts, ref + shared, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grouped, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dense, ref, rtol=1e-5, atol=1e-6)
@@ -83,3 +85,27 @@ def test_fused_op_references_on_cpu():
     torch.testing.assert_close(norm(x), expected)
     src, pos, ends = fused.moe_align(torch.tensor([[2, 0], [0, 1], [2, 1]]), 4)
     assert ends.tolist() == [2, 4, 6, 6] and src.tolist() == [0, 1, 1, 2, 0, 2] and pos.tolist() == [4, 0, 1, 2, 5, 3]
+
+
+def test_sparse_moe_runs_its_shared_expert_inside_the_gemv_kernels_as_a_separate_mlp() -> None:
+    """SparseMoE's gemv path (the shared expert's weights handed to moe_gemv) equals experts(x) + shared(x),
+    through the references on the CPU; the GPU kernels are checked against the same references in
+    tests/test_fused_kernels_gpu.py and, in the engine, in tests/test_gpu_engine.py."""
+    from atom.layers.moe import SparseMoE, TopkRouter
+
+    torch.manual_seed(0)
+    router = TopkRouter(48, 8, 3, num_groups=1, topk_groups=1, norm_topk_prob=True, routed_scaling_factor=2.0)
+    moe = SparseMoE(48, 24, 8, num_shared_experts=2, router=router, dtype=torch.float32)
+    for p in moe.parameters():
+        p.data.normal_(0, 48**-0.5)
+    moe.experts.fuse()
+    assert moe.shared_experts.stacked_weights() is None  # not stacked yet: the kernels cannot take it
+    moe.shared_experts.gate_up.stack()
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        expected = moe.experts(x, weights, ids) + moe.shared_experts(x)
+        fused_path = moe.experts.forward_gemv(x, weights, ids, shared=moe.shared_experts.stacked_weights())
+    torch.testing.assert_close(fused_path, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        moe.experts.forward_gemv(x, weights, ids, addend=x, shared=moe.shared_experts.stacked_weights())

@@ -9,10 +9,13 @@ copying memory twice::
 
 and the per-expert parameters become views into those stacks.
 
-Three ways to run the routed experts, all giving the same sums:
+Four ways to run the routed experts, all giving the same sums:
 
 - the expert loop (the reference): one matmul pair per picked expert; it
   syncs with the host once per expert, fine on a CPU;
+- gemv (GPU, any dtype, a few tokens: see ``GEMV_MAX_TOKENS``): two kernels
+  that multiply each (token, pick) pair's expert rows with the token, the
+  decode step of a few sequences (``fused.moe_gemv``);
 - grouped (GPU, bf16): the (token, pick) pairs sorted by expert, two
   ``torch._grouped_mm`` calls that read only the picked experts' weights, no
   host sync, so it also runs inside CUDA graphs;
@@ -32,8 +35,16 @@ from torch import nn
 
 from atom.layers.linear import StackedLinears
 from atom.ops.cuda import kernels_apply
-from atom.ops.cuda.fused import moe_align, moe_combine, moe_route, router_logits, silu_mul
+from atom.ops.cuda.fused import moe_align, moe_combine, moe_gemv, moe_route, router_logits, silu_mul
 
+# Batches up to this many tokens run the picked experts as matrix-vector products on a GPU (forward_gemv),
+# as long as they hold at most two (token, pick) pairs per expert: the kernels read an expert's rows once
+# per pair (a repeat mostly from L2), the grouped matmuls once per expert. bench/kernels_gpu.py --only
+# moe_gemv (GPU_NOTES.md, session 16): 1.3-2.5x the grouped path up to 2 pairs per expert at E=16, k=4
+# and up to 32 tokens at E=256, k=8; 0.84x at 4 pairs per expert. ATOM_MOE_GEMV_MAX_TOKENS overrides the
+# token limit (read at import; 0 turns the path off).
+GEMV_MAX_TOKENS = int(os.environ.get("ATOM_MOE_GEMV_MAX_TOKENS", 32))
+GEMV_MAX_PAIRS_PER_EXPERT = 2
 # Batches up to this many tokens run every expert densely on a GPU (see _forward_dense).
 DENSE_MAX_TOKENS = 128
 # bf16 on Hopper: batches of at least this many tokens (and at most DENSE_MAX_TOKENS) run every
@@ -65,6 +76,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up(x)))
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [2I, D], down [D, I]) once the gate and up weights are stacked, for kernels that
+        run this MLP inside another op (RoutedExperts.forward_gemv); None with biases or before."""
+        if (self.gate_up.weight is None or self.gate_up.weight.shape[0] == 0 or self.down_proj.bias is not None
+                or self.gate_up.bias is not None):  # fmt: skip
+            return None
+        return self.gate_up.weight, self.down_proj.weight
 
 
 class TopkRouter(nn.Module):
@@ -147,6 +166,8 @@ class RoutedExperts(nn.ModuleList):
                 addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add)."""
         on_gpu = kernels_apply(x)
+        if self.gemv_applies(x, ids):
+            return self.forward_gemv(x, weights, ids, addend)
         if on_gpu and grouped_mm_applies(x):
             if ALL_EXPERTS_MIN_TOKENS <= x.shape[0] <= DENSE_MAX_TOKENS:
                 return self.forward_all_experts(x, weights, ids, addend)
@@ -181,6 +202,21 @@ class RoutedExperts(nn.ModuleList):
         gate_up = torch._grouped_mm(x[src_token], self.gate_up_proj.transpose(1, 2), offs=ends)
         y = torch._grouped_mm(silu_mul(gate_up), self.down_proj.transpose(1, 2), offs=ends)  # [T*k, D]
         return moe_combine(y, pos, weights, addend)
+
+    def gemv_applies(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether forward() runs forward_gemv: on a GPU, for few tokens (GEMV_MAX_TOKENS)."""
+        tokens, top_k = ids.shape
+        return (kernels_apply(x) and tokens <= GEMV_MAX_TOKENS
+                and tokens * top_k <= GEMV_MAX_PAIRS_PER_EXPERT * len(self))  # fmt: skip
+
+    def forward_gemv(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     addend: torch.Tensor | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """Each (token, pick) pair's expert rows times the token: two kernels on a GPU, reading
+        only the picked experts, rounding where forward_grouped rounds. For a few tokens, where
+        the grouped matmuls' tiles are mostly empty. ``shared`` (GatedMLP.stacked_weights()):
+        a shared expert run in the same two kernels, its output the addend."""
+        return moe_gemv(x, weights, ids, self.gate_up_proj, self.down_proj, addend, shared)
 
     def forward_all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                             addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -227,4 +263,6 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.experts.gemv_applies(x, ids) and (shared := self.shared_experts.stacked_weights()) is not None:
+            return self.experts.forward_gemv(x, weights, ids, shared=shared)  # one pair of kernels for both
         return self.experts(x, weights, ids, addend=self.shared_experts(x))

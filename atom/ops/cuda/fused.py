@@ -13,6 +13,8 @@ so both paths round to the model dtype at the same points.
     moe_route     sigmoid router: top-k on score + bias, renormalised, scaled
     moe_align     (token, pick) pairs grouped by expert, for grouped matmuls
     moe_combine   each token's weighted sum over its picks (+ an addend)
+    moe_gemv      routed experts at decode batch sizes: the picked experts' rows times each token
+                  (``csrc/moe_gemv.cu``; two kernels for the grouped path's eight)
     advance_decode  multi-step decoding: the CUDA-graph decode buffers one step on
 """
 
@@ -250,6 +252,65 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor,
     C().moe_combine(y.data_ptr(), pos.contiguous().data_ptr(), weights.contiguous().data_ptr(), add_ptr,
                     out.data_ptr(), tokens, top_k, y.shape[1], tokens if expert_major else 0, dtype_code(y.dtype),
                     stream_of(y.device))  # fmt: skip
+    return out
+
+
+# -- moe_gemv -----------------------------------------------------------------------
+
+
+def moe_gemv_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, addend: torch.Tensor | None = None,
+                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    tokens, top_k = ids.shape
+    picked = ids.flatten()  # pair p = t * top_k + j
+    xs = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [P, D, 1]
+    act = silu_mul_ref(torch.bmm(gate_up[picked], xs).squeeze(-1))  # [P, I]
+    y = torch.bmm(down[picked], act.unsqueeze(-1)).squeeze(-1)  # [P, D]
+    if shared is not None:  # the shared expert as its own gated MLP (GatedMLP.forward)
+        addend = F.linear(silu_mul_ref(F.linear(x, shared[0])), shared[1])
+    return moe_combine_ref(y, torch.arange(tokens * top_k, device=x.device), weights, addend)
+
+
+def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, addend: torch.Tensor | None = None,
+             shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """Routed experts for a few tokens: x [T, D]; weights fp32 and ids int64 [T, k]; the stacked
+    gate_up [E, 2I, D] (gate rows, then up rows) and down [E, D, I]; plus ``addend`` [T, D], or
+    plus the output of a shared expert given as its weights ``shared`` = (gate_up [2S, D], down [D, S]).
+
+    What the grouped path (and the shared expert's own MLP) computes, rounding where
+    they round (gate_up, silu_mul and down outputs in x's dtype; each token's picks
+    summed in fp32 in pick order, rounded once, then the addend added): two kernels
+    that read each pair's expert rows once. The reference gathers the picked experts'
+    weights (no host sync).
+    """
+    if addend is not None and shared is not None:
+        raise ValueError("moe_gemv: pass an addend or a shared expert, not both")
+    tokens, top_k = ids.shape
+    experts, dim, inter = down.shape
+    if gate_up.shape != (experts, 2 * inter, dim) or x.shape != (tokens, dim) or weights.shape != ids.shape or (
+        shared is not None and (shared[1].shape[0] != dim or shared[0].shape != (2 * shared[1].shape[1], dim))
+    ):
+        raise ValueError("moe_gemv: the shapes of x, weights, ids and the expert weights do not fit together")
+    stacks = [(gate_up, dim), (down, inter)] + ([] if shared is None else [(shared[0], dim), (shared[1], None)])
+    rows_ok = all(w.stride(-1) == 1 and w.stride(-2) == (n or w.shape[-1]) for w, n in stacks)
+    if (not kernels_apply(x, weights, ids, gate_up, down, addend, *(shared or ())) or not rows_ok
+            or ids.dtype != torch.int64 or weights.dtype != torch.float32
+            or any(w.dtype != x.dtype for w, _ in stacks) or (addend is not None and addend.dtype != x.dtype)):  # fmt: skip
+        return moe_gemv_ref(x, weights, ids, gate_up, down, addend, shared)
+    x2, ids, weights = _rows(x), ids.contiguous(), weights.contiguous()
+    pairs, s_inter = tokens * top_k, 0 if shared is None else shared[1].shape[1]
+    act = torch.empty(pairs * inter + tokens * s_inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, dim, dtype=x.dtype, device=x.device)
+    code, stream = dtype_code(x.dtype), stream_of(x.device)
+    s_up, s_down = (0, 0) if shared is None else (shared[0].data_ptr(), shared[1].data_ptr())
+    C().moe_gemv_up(x2.data_ptr(), x2.stride(0), ids.data_ptr(), tokens, top_k, gate_up.data_ptr(),
+                    gate_up.stride(0), inter, s_up, s_inter, act.data_ptr(), dim, code, stream)  # fmt: skip
+    s_act = 0 if shared is None else act[pairs * inter :].data_ptr()
+    add_ptr = 0 if addend is None else addend.contiguous().data_ptr()
+    C().moe_gemv_down(act.data_ptr(), ids.data_ptr(), weights.data_ptr(), tokens, top_k, down.data_ptr(),
+                      down.stride(0), inter, s_act, s_down, s_inter, add_ptr, out.data_ptr(), dim, code,
+                      stream)  # fmt: skip
     return out
 
 
