@@ -158,6 +158,7 @@ def test_moe_combine_expert_major(dtype, tokens, experts, top_k, dim):
     rows = (ids * tokens + torch.arange(tokens).unsqueeze(1)).flatten()
     assert rel_err(out, fused.moe_combine_ref(y, rows, weights, addend)) < TOL[dtype]
 
+
 # (tokens, experts, top_k, dim, inter): the bench model (E=16, k=4) and Kimi-Linear's k=8; tokens sharing
 # experts (3 tokens of 4 experts, k=3); more picks than moe_gemv_down loads together (6, 9); one pick; an
 # intermediate size that leaves a warp's second row past the end (40, 8 in fp32 / 5 in bf16 vectors);
@@ -183,7 +184,7 @@ def test_moe_gemv(dtype, tokens, experts, top_k, dim, inter, extra):
         s_inter = inter * (2 if extra == "wider shared" else 1)
         shared = ((torch.randn(2 * s_inter, dim) * dim**-0.5).to(dtype),
                   (torch.randn(dim, s_inter) * s_inter**-0.5).to(dtype))  # fmt: skip
-    (cx, cw, ci), (gx, gw, gi) = _cpu_and_gpu(wide, weights, ids)
+    _, (gx, gw, gi) = _cpu_and_gpu(wide, weights, ids)
     _poison_allocator()
     out = fused.moe_gemv(gx[:, 8:], gw, gi, gate_up.cuda(), down.cuda(), None if addend is None else addend.cuda(),
                          None if shared is None else (shared[0].cuda(), shared[1].cuda()))  # fmt: skip

@@ -87,7 +87,7 @@ def test_fused_op_references_on_cpu():
     assert ends.tolist() == [2, 4, 6, 6] and src.tolist() == [0, 1, 1, 2, 0, 2] and pos.tolist() == [4, 0, 1, 2, 5, 3]
 
 
-def test_sparse_moe_runs_its_shared_expert_inside_the_gemv_kernels_as_a_separate_mlp() -> None:
+def test_gemv_path_with_the_shared_experts_weights_equals_experts_plus_the_shared_mlp() -> None:
     """SparseMoE's gemv path (the shared expert's weights handed to moe_gemv) equals experts(x) + shared(x),
     through the references on the CPU; the GPU kernels are checked against the same references in
     tests/test_fused_kernels_gpu.py and, in the engine, in tests/test_gpu_engine.py."""
