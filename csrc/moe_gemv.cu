@@ -31,13 +31,16 @@
 namespace atom {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kUpThreads = 256;  // moe_gemv_up's block
+constexpr int kUpWarps = kUpThreads / kGroup;
+constexpr int kThreads = 256;  // moe_gemv_down's block
 constexpr int kWarps = kThreads / kGroup;
 constexpr int kUpRows = 2;     // intermediate rows a warp of moe_gemv_up computes (each a gate and an up row)
 constexpr int kDownPicks = 4;  // picks whose loads a warp of moe_gemv_down keeps in flight together
 // Vectors a lane loads of each row before it uses the first: enough bytes in flight per SM to cover the
-// memory's latency (a lane of moe_gemv_up holds 4 x 4 weight vectors, one of moe_gemv_down 2 x 4)
-constexpr int kUpBatch = 4;
+// memory's latency (a lane of moe_gemv_up holds 2 x 4 weight vectors, one of moe_gemv_down 2 x 4). 4 in
+// moe_gemv_up ran 3-9% slower at 1-2 tokens, at 110-112 registers against 73-74 (GPU_NOTES.md, session 16).
+constexpr int kUpBatch = 2;
 constexpr int kDownBatch = 2;
 
 // 16 bytes of T as fp32 products with another 16 bytes, summed.
@@ -51,7 +54,7 @@ __device__ __forceinline__ float dot(const Pack<T, kN>& a, const Pack<T, kN>& b)
 
 // kN elements a load: 16-byte vectors (kN = 16 / sizeof(T)) where every row, stride and length allows, else 1.
 template <typename T, int kN>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kUpThreads)
     moe_gemv_up_kernel(const T* __restrict__ x, int64_t x_stride, const int64_t* __restrict__ ids, int64_t pairs,
                        int top_k, const T* __restrict__ w, int64_t expert_stride, int routed_inter,
                        const T* __restrict__ shared_w, int shared_inter, T* __restrict__ act, int dim) {
@@ -60,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool shared = p >= pairs;
   const int inter = shared ? shared_inter : routed_inter;
   const int lane = threadIdx.x % kGroup;
-  const int row0 = (blockIdx.y * kWarps + threadIdx.x / kGroup) * kUpRows;
+  const int row0 = (blockIdx.y * kUpWarps + threadIdx.x / kGroup) * kUpRows;
   if (row0 >= inter) return;
   const V* xr = reinterpret_cast<const V*>(x + (shared ? p - pairs : p / top_k) * x_stride);
   const T* we = shared ? shared_w : w + ids[p] * expert_stride;
@@ -188,14 +191,14 @@ const char* moe_gemv_up(uintptr_t x, int64_t x_stride, uintptr_t ids, int64_t to
   const int64_t pairs = tokens * top_k, blocks = pairs + (shared_w != 0 ? tokens : 0);
   if (blocks > INT32_MAX) return "moe_gemv_up: too many pairs";
   const int64_t rows = shared_w != 0 && shared_inter > inter ? shared_inter : inter;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(ceil_div(rows, kWarps * kUpRows)));
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(ceil_div(rows, kUpWarps * kUpRows)));
   if (grid.y > 65535) return "moe_gemv_up: inter too large";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "moe_gemv_up", [&]() {
     constexpr int kN = 16 / sizeof(scalar_t);
     const bool vec = dim % kN == 0 && x % 16 == 0 && x_stride % kN == 0 && w % 16 == 0 && expert_stride % kN == 0 &&
                      shared_w % 16 == 0;
     auto launch = [&](auto kernel) {
-      kernel<<<grid, kThreads, 0, as_stream(stream)>>>(
+      kernel<<<grid, kUpThreads, 0, as_stream(stream)>>>(
           reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const int64_t*>(ids), pairs,
           static_cast<int>(top_k), reinterpret_cast<const scalar_t*>(w), expert_stride, static_cast<int>(inter),
           reinterpret_cast<const scalar_t*>(shared_w), static_cast<int>(shared_inter),
