@@ -40,7 +40,7 @@ from atom.ops.cuda.fused import moe_align, moe_combine, moe_gemv, moe_route, rou
 # Batches up to this many tokens run the picked experts as matrix-vector products on a GPU (forward_gemv),
 # as long as they hold at most two (token, pick) pairs per expert: the kernels read an expert's rows once
 # per pair (a repeat mostly from L2), the grouped matmuls once per expert. bench/kernels_gpu.py --only
-# moe_gemv (GPU_NOTES.md, session 16), with a shared expert: 1.3-2.4x the other paths up to 2 pairs per
+# moe_gemv (GPU_NOTES.md, session 16), with a shared expert: 1.3-2.6x the other paths up to 2 pairs per
 # expert at E=16, k=4 and up to 32 tokens at E=256, k=8; 0.77x at 4 pairs per expert.
 # ATOM_MOE_GEMV_MAX_TOKENS overrides the token limit (read at import; 0 turns the path off).
 GEMV_MAX_TOKENS = int(os.environ.get("ATOM_MOE_GEMV_MAX_TOKENS", 32))
