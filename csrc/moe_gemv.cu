@@ -22,7 +22,7 @@
 // write the model dtype), so they differ only in the order of each dot
 // product's fp32 sums.
 //
-// One 32-thread group ("warp") per output row; its lanes split the dot product.
+// A 32-thread group ("warp") computes one output row (two in moe_gemv_up); its lanes split the dot product.
 // Blocks of one row range run for every pair (token) next to each other in the
 // grid (pairs are the fast index), so tokens that picked the same expert read
 // its rows at about the same time and the second read finds them in L2.
@@ -43,7 +43,7 @@ constexpr int kDownPicks = 4;  // picks whose loads a warp of moe_gemv_down keep
 constexpr int kUpBatch = 2;
 constexpr int kDownBatch = 2;
 
-// 16 bytes of T as fp32 products with another 16 bytes, summed.
+// kN elements of T (a 16-byte vector, or one) times kN others, summed in fp32.
 template <typename T, int kN>
 __device__ __forceinline__ float dot(const Pack<T, kN>& a, const Pack<T, kN>& b) {
   float s = 0.f;
