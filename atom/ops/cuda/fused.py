@@ -292,11 +292,11 @@ def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up:
         shared is not None and (shared[1].shape[0] != dim or shared[0].shape != (2 * shared[1].shape[1], dim))
     ):
         raise ValueError("moe_gemv: the shapes of x, weights, ids and the expert weights do not fit together")
-    stacks = [(gate_up, dim), (down, inter)] + ([] if shared is None else [(shared[0], dim), (shared[1], None)])
-    rows_ok = all(w.stride(-1) == 1 and w.stride(-2) == (n or w.shape[-1]) for w, n in stacks)
-    if (not kernels_apply(x, weights, ids, gate_up, down, addend, *(shared or ())) or not rows_ok
+    stacks = [gate_up, down, *(shared or ())]
+    rows_ok = all(w.stride(-1) == 1 and w.stride(-2) == w.shape[-1] for w in stacks)  # contiguous rows
+    if (not kernels_apply(x, weights, ids, *stacks, addend) or not rows_ok
             or ids.dtype != torch.int64 or weights.dtype != torch.float32
-            or any(w.dtype != x.dtype for w, _ in stacks) or (addend is not None and addend.dtype != x.dtype)):  # fmt: skip
+            or any(w.dtype != x.dtype for w in stacks) or (addend is not None and addend.dtype != x.dtype)):  # fmt: skip
         return moe_gemv_ref(x, weights, ids, gate_up, down, addend, shared)
     x2, ids, weights = _rows(x), ids.contiguous(), weights.contiguous()
     pairs, s_inter = tokens * top_k, 0 if shared is None else shared[1].shape[1]
