@@ -4,6 +4,7 @@
     python bench/kernels_gpu.py --json out.json
     python bench/kernels_gpu.py --only kda_prefill   # prefill: ours vs fla vs torch chunked, side by side
     python bench/kernels_gpu.py --only moe_gemv      # routed experts at decode sizes: gemv vs grouped
+    python bench/kernels_gpu.py --only moe_paths     # each MoE path forced, 1-256 tokens, three routings
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -29,6 +30,7 @@ cache, block size 16.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -334,14 +336,10 @@ def bench_read(nbytes: int, label: str) -> dict:
     return {"op": f"read-only reference, {label}", "bytes": nbytes, **timings(make, nbytes)}
 
 
-def bench_moe(tokens: int, experts: int, top_k: int, dim: int = 2304, inter: int = 1024) -> dict:
-    """One MoE layer at decode sizes, bf16, routed experts plus one shared expert of their size (as in
-    Kimi-Linear): ``SparseMoE``'s gemv path (``csrc/moe_gemv.cu``, the shared expert in the same two
-    kernels) against what it runs with that path off (the shared expert's own MLP, then the grouped
-    matmuls below 32 tokens or every expert from 32). Both timed as ``graph_us`` times: 16 calls back to
-    back in one CUDA graph, as the engine's decode step runs them, each with its own routing and inputs,
-    over enough copies of the weights that a call finds few of its experts in L2. Bytes: the picked
-    experts' weights, each expert read once, the shared expert's, x and the output."""
+@functools.cache
+def _moe_layers(experts: int, dim: int, inter: int) -> list:
+    """(routed experts, shared MLP) pairs of random bf16 weights, enough copies that together they hold
+    8x L2, so a call finds few of its experts in L2 when the copies are used in turn."""
     from atom.layers import moe
 
     bf16 = torch.bfloat16
@@ -359,14 +357,34 @@ def bench_moe(tokens: int, experts: int, top_k: int, dim: int = 2304, inter: int
         layer.register_buffer("down_proj", weight(experts, dim, inter))
         mlp.gate_up.weight, mlp.down_proj.weight = weight(2 * inter, dim), torch.nn.Parameter(weight(dim, inter))
         layers.append((layer, mlp))
+    return layers
+
+
+def _moe_calls(tokens: int, experts: int, top_k: int, dim: int, inter: int) -> tuple[list, int]:
+    """16 calls of one MoE layer, each with its own routing and inputs, over the copies of
+    _moe_layers in turn; and the bytes a call must move on average: the picked experts' weights,
+    each expert read once, the shared expert's, x and the output."""
+    layers = _moe_layers(experts, dim, inter)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     calls, moved = [], 0
     for i in range(16):
-        x = torch.randn(tokens, dim, dtype=bf16, device="cuda", generator=gen)
+        x = torch.randn(tokens, dim, dtype=torch.bfloat16, device="cuda", generator=gen)
         ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices
         weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
-        calls.append((*layers[i % copies], x, weights, ids))
+        calls.append((*layers[i % len(layers)], x, weights, ids))
         moved += (ids.unique().numel() + 1) * 3 * inter * dim * 2 + 2 * tokens * dim * 2
+    return calls, moved // 16
+
+
+def bench_moe(tokens: int, experts: int, top_k: int, dim: int = 2304, inter: int = 1024) -> dict:
+    """One MoE layer at decode sizes, bf16, routed experts plus one shared expert of their size (as in
+    Kimi-Linear): ``SparseMoE``'s gemv path (``csrc/moe_gemv.cu``, the shared expert in the same two
+    kernels) against what it runs with that path off (the shared expert's own MLP, then the grouped
+    matmuls or every expert, as ``moe.routed_path`` picks). Both timed as ``graph_us`` times: 16 calls
+    back to back in one CUDA graph, as the engine's decode step runs them (see _moe_calls)."""
+    from atom.layers import moe
+
+    calls, moved = _moe_calls(tokens, experts, top_k, dim, inter)
 
     def gemv(layer, mlp, x, weights, ids):
         return layer.forward_gemv(x, weights, ids, shared=mlp.stacked_weights())
@@ -382,11 +400,37 @@ def bench_moe(tokens: int, experts: int, top_k: int, dim: int = 2304, inter: int
     err = ((out - ref).norm() / ref.norm()).item()
     gemv_us = graph_us([lambda c=c: gemv(*c) for c in calls])
     base_us = graph_us([lambda c=c: baseline(*c) for c in calls])
-    name = "shared MLP + " + ("grouped" if tokens < moe.ALL_EXPERTS_MIN_TOKENS else "all experts")
+    saved, moe.GEMV_MAX_TOKENS = moe.GEMV_MAX_TOKENS, 0
+    try:
+        name = "shared MLP + " + moe.routed_path(calls[0][2], calls[0][4], len(calls[0][0]))
+    finally:
+        moe.GEMV_MAX_TOKENS = saved
     print(f"moe T={tokens} E={experts} k={top_k} + shared: gemv {gemv_us:.1f} us, {name} {base_us:.1f} us: "
           f"{base_us / gemv_us:.2f}x (outputs differ by {err:.1e})", flush=True)  # fmt: skip
-    return {"op": f"moe_gemv T={tokens} E={experts} k={top_k} +shared D={dim} I={inter}", "bytes": moved // 16,
+    return {"op": f"moe_gemv T={tokens} E={experts} k={top_k} +shared D={dim} I={inter}", "bytes": moved,
             "us": gemv_us, "baseline": name, "baseline_us": base_us}
+
+
+def bench_moe_paths(tokens: int, experts: int, top_k: int, dim: int = 2304, inter: int = 1024) -> list[dict]:
+    """One MoE layer (routed experts plus a shared expert of their size, bf16) through each of the GPU
+    paths forced in turn, side by side in one run: gemv (the shared expert inside its kernels), and the
+    shared MLP followed by the grouped matmuls or by every expert. Timed as in bench_moe; the bytes are
+    the fewest any path must move (the picked experts once each), so the shares compare the paths. What
+    ``moe.routed_path``'s limits are set from."""
+    calls, moved = _moe_calls(tokens, experts, top_k, dim, inter)
+    paths = {
+        "gemv": lambda layer, mlp, x, w, ids: layer.forward_gemv(x, w, ids, shared=mlp.stacked_weights()),
+        "grouped": lambda layer, mlp, x, w, ids: layer.forward_grouped(x, w, ids, addend=mlp(x)),
+        "all": lambda layer, mlp, x, w, ids: layer.forward_all_experts(x, w, ids, addend=mlp(x)),
+    }
+    rows, times = [], {}
+    for name, fn in paths.items():
+        times[name] = graph_us([lambda c=c, fn=fn: fn(*c) for c in calls])
+        rows.append({"op": f"moe {name} T={tokens} E={experts} k={top_k}", "bytes": moved, "us": times[name]})
+    best = min(times, key=times.get)
+    print(f"moe T={tokens} E={experts} k={top_k}: " + ", ".join(f"{n} {t:.1f} us" for n, t in times.items())
+          + f"; best {best}", flush=True)  # fmt: skip
+    return rows
 
 
 def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
@@ -451,12 +495,19 @@ def main() -> None:
     for experts, top_k in ((256, 8), (16, 4)):  # Kimi-Linear's routing; bench/decode_gpu.py's model
         cases += [(f"moe_gemv T={t} E={experts}", lambda t=t, e=experts, k=top_k: bench_moe(t, e, k))
                   for t in (1, 2, 4, 8, 16, 32)]  # fmt: skip
+    for experts, top_k in ((256, 8), (64, 6), (16, 4)):  # and DeepSeek-V2-Lite / Moonlight's routing
+        cases += [(f"moe_paths T={t} E={experts}", lambda t=t, e=experts, k=top_k: bench_moe_paths(t, e, k))
+                  for t in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)]  # fmt: skip
     for gather in (True, False):
         name = "gather_blocks" if gather else "scatter_blocks"
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))
         cases.append((f"{name} state", lambda g=gather: bench_blocks(C, 64, slot_bytes, g)))
     wanted = args.only.split(",") if args.only else None
-    rows = [run() for name, run in cases if wanted is None or any(w in name for w in wanted)]
+    rows = []
+    for name, run in cases:
+        if wanted is None or any(w in name for w in wanted):
+            row = run()
+            rows += row if isinstance(row, list) else [row]
     prefill = run_prefill([(8, 2048), (1, 8192), (32, 512)]) if wanted is None or "kda_prefill" in wanted else []
 
     graph_cols = f" {'graph us':>9} {'graph%':>6}" if GRAPH else ""

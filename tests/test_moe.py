@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from atom.layers import moe
 from atom.layers.moe import RoutedExperts
 from atom.ops.cuda import fused
 
@@ -55,6 +56,25 @@ def test_gemv_grouped_dense_and_all_experts_match_the_expert_loop(tokens: int, s
     torch.testing.assert_close(all_experts, ref + shared, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grouped, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dense, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_choose_path_follows_the_measured_crossovers() -> None:
+    """The path for each batch size at the three routings bench/kernels_gpu.py --only moe_paths measured
+    (GPU_NOTES.md, session 17): gemv up to 1.5 pairs per expert, then every expert while a batch is
+    expected to pick 2/3 of the experts and has at most 128 tokens, grouped beyond; other dtypes dense."""
+    def paths(experts: int, top_k: int, grouped_mm: bool = True) -> dict[str, list[int]]:
+        chosen: dict[str, list[int]] = {}
+        for tokens in range(1, 301):
+            chosen.setdefault(moe.choose_path(tokens, top_k, experts, True, grouped_mm), []).append(tokens)
+        return {path: [min(t), max(t)] for path, t in chosen.items()}
+
+    assert paths(256, 8) == {"gemv": [1, 48], "all": [49, 128], "grouped": [129, 300]}  # Kimi-Linear
+    assert paths(64, 6) == {"gemv": [1, 16], "all": [17, 128], "grouped": [129, 300]}
+    assert paths(16, 4) == {"gemv": [1, 6], "all": [7, 128], "grouped": [129, 300]}  # bench/decode_gpu.py
+    assert paths(16, 4, grouped_mm=False) == {"gemv": [1, 6], "dense": [7, 128], "loop": [129, 300]}
+    assert moe.choose_path(1, 4, 16, on_gpu=False, grouped_mm=False) == "loop"
+    # beyond the gemv limit a batch that picks under 2/3 of the experts runs grouped (E=384, top-8, Kimi-K2)
+    assert moe.choose_path(49, 8, 384, True, True) == "grouped" and moe.choose_path(60, 8, 384, True, True) == "all"
 
 
 def test_grouped_path_reads_only_the_picked_experts() -> None:

@@ -9,19 +9,22 @@ copying memory twice::
 
 and the per-expert parameters become views into those stacks.
 
-Four ways to run the routed experts, all giving the same sums:
+Five ways to run the routed experts, all computing the same sums and rounding at the same points
+(choose_path picks one):
 
 - the expert loop (the reference): one matmul pair per picked expert; it
   syncs with the host once per expert, fine on a CPU;
-- gemv (GPU, any dtype, a few tokens: see ``GEMV_MAX_TOKENS``): two kernels
-  that multiply each (token, pick) pair's expert rows with the token, the
-  decode step of a few sequences (``fused.moe_gemv``);
-- grouped (GPU, bf16): the (token, pick) pairs sorted by expert, two
-  ``torch._grouped_mm`` calls that read only the picked experts' weights, no
-  host sync, so it also runs inside CUDA graphs;
+- gemv (GPU, any dtype, a few tokens a step): two kernels that multiply each
+  (token, pick) pair's expert rows with the token (``fused.moe_gemv``);
+- every expert (GPU, bf16 on Hopper): one batched matmul per projection over
+  all experts, then each token's picks combined; for batches that pick nearly
+  every expert anyway;
+- grouped (GPU, bf16 on Hopper): the (token, pick) pairs sorted by expert, two
+  ``torch._grouped_mm`` calls that read only the picked experts' weights;
 - dense (GPU, other dtypes, up to ``DENSE_MAX_TOKENS`` tokens): every expert
-  on every token, zero weight for the unpicked ones (no sync either, but it
-  reads every expert).
+  on every token, zero weight for the unpicked ones.
+
+None but the loop syncs with the host, so they also run inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -37,20 +40,52 @@ from atom.layers.linear import StackedLinears
 from atom.ops.cuda import kernels_apply
 from atom.ops.cuda.fused import moe_align, moe_combine, moe_gemv, moe_route, router_logits, silu_mul
 
-# Batches up to this many tokens run the picked experts as matrix-vector products on a GPU (forward_gemv),
-# as long as they hold at most two (token, pick) pairs per expert: the kernels read an expert's rows once
-# per pair (a repeat mostly from L2), the grouped matmuls once per expert. bench/kernels_gpu.py --only
-# moe_gemv (GPU_NOTES.md, session 16), with a shared expert: 1.3-2.6x the other paths up to 2 pairs per
-# expert at E=16, k=4 and up to 32 tokens at E=256, k=8; 0.77x at 4 pairs per expert.
-# ATOM_MOE_GEMV_MAX_TOKENS overrides the token limit (read at import; 0 turns the path off).
-GEMV_MAX_TOKENS = int(os.environ.get("ATOM_MOE_GEMV_MAX_TOKENS", 32))
-GEMV_MAX_PAIRS_PER_EXPERT = 2
-# Batches up to this many tokens run every expert densely on a GPU (see _forward_dense).
+# Which GPU path a batch of T tokens with k picks each over E experts takes (routed_path), from
+# bench/kernels_gpu.py --only moe_paths: each path forced, bf16, a shared expert, at E=256 k=8 (Kimi-Linear),
+# E=64 k=6 and E=16 k=4, 1-256 tokens (GPU_NOTES.md, session 17).
+# - gemv (forward_gemv) reads an expert's rows once per (token, pick) pair, a repeat mostly from L2. It was
+#   the fastest path up to 1.5 pairs per expert on average (T * k <= 1.5 E) in all three, and as fast as
+#   every expert at 1.5 (T=48 at E=256, T=16 at E=64); from 2 pairs per expert every expert was faster
+#   (1.15x at E=16 and T=8, 1.17x at E=256 and T=64). ATOM_MOE_GEMV_MAX_TOKENS overrides the token limit
+#   (read at import; 0 turns the path off).
+GEMV_MAX_TOKENS = int(os.environ.get("ATOM_MOE_GEMV_MAX_TOKENS", 48))
+GEMV_MAX_PAIRS_PER_EXPERT = 1.5
+# - every expert (forward_all_experts, bf16 on Hopper; _forward_dense otherwise) reads every expert's
+#   weights in one batched matmul per projection, faster per byte than the grouped matmuls over the picked
+#   experts (67-81% of the copy ceiling where nearly every expert is picked, grouped 43-67%). It was faster than grouped wherever the batch was
+#   expected to pick at least 2/3 of the experts (1 - (1 - k/E)^T, picks spread evenly), up to 128 tokens at
+#   E=256, 192 at E=64 and 256 at E=16 (where its extra arithmetic, T * E expert rows, starts to count):
+#   1.59x at E=16 and 16 tokens, 1.32x at E=64 and 24. ATOM_MOE_ALL_EXPERTS_MIN_SHARE overrides the share.
+ALL_EXPERTS_MIN_SHARE = float(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_SHARE", 2 / 3))
 DENSE_MAX_TOKENS = 128
-# bf16 on Hopper: batches of at least this many tokens (and at most DENSE_MAX_TOKENS) run every
-# expert through one batched matmul per projection (forward_all_experts), fewer tokens through the
-# grouped matmuls over the picked experts only. ATOM_MOE_ALL_EXPERTS_MIN_TOKENS overrides it (read at import).
-ALL_EXPERTS_MIN_TOKENS = int(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_TOKENS", 32))
+# - grouped (forward_grouped, bf16 on Hopper): the rest, and every batch of more than DENSE_MAX_TOKENS.
+
+
+def expected_share_picked(tokens: int, top_k: int, num_experts: int) -> float:
+    """The share of the experts that a batch picks at least once, if each token's k picks were
+    spread evenly over the experts."""
+    return 1.0 - (1.0 - top_k / num_experts) ** tokens
+
+
+def routed_path(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> str:
+    """Which way RoutedExperts.forward runs x [T, D] with picks ids [T, k] (see choose_path)."""
+    on_gpu = kernels_apply(x)
+    return choose_path(*ids.shape, num_experts, on_gpu=on_gpu, grouped_mm=on_gpu and grouped_mm_applies(x))
+
+
+def choose_path(tokens: int, top_k: int, num_experts: int, on_gpu: bool, grouped_mm: bool) -> str:
+    """"gemv", "all" (every expert in batched matmuls) or "grouped" on a GPU with bf16 grouped
+    matmuls; "gemv" or "dense" on other GPUs and dtypes up to DENSE_MAX_TOKENS tokens; else "loop"
+    (the reference). Only the shapes, dtype and device decide, so a CUDA graph captured for a batch
+    size keeps its path."""
+    if not on_gpu:
+        return "loop"
+    if tokens <= GEMV_MAX_TOKENS and tokens * top_k <= GEMV_MAX_PAIRS_PER_EXPERT * num_experts:
+        return "gemv"
+    if not grouped_mm:
+        return "dense" if tokens <= DENSE_MAX_TOKENS else "loop"
+    every = tokens <= DENSE_MAX_TOKENS and expected_share_picked(tokens, top_k, num_experts) >= ALL_EXPERTS_MIN_SHARE
+    return "all" if every else "grouped"
 
 
 def grouped_mm_applies(x: torch.Tensor) -> bool:
@@ -163,19 +198,17 @@ class RoutedExperts(nn.ModuleList):
             e.w2.weight.data = down[i]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add)."""
-        on_gpu = kernels_apply(x)
-        if self.gemv_applies(x, ids):
+                addend: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:  # fmt: skip
+        """x [T, D]; weights, ids [T, k]; plus ``addend`` [T, D] if given (a separate, rounded add).
+        ``path``: routed_path(x, ids, E) when the caller has already asked it."""
+        path = path or routed_path(x, ids, len(self))
+        if path == "gemv":
             return self.forward_gemv(x, weights, ids, addend)
-        if on_gpu and grouped_mm_applies(x):
-            if ALL_EXPERTS_MIN_TOKENS <= x.shape[0] <= DENSE_MAX_TOKENS:
-                return self.forward_all_experts(x, weights, ids, addend)
+        if path == "grouped":
             return self.forward_grouped(x, weights, ids, addend)
-        if on_gpu and x.shape[0] <= DENSE_MAX_TOKENS:
-            out = self._forward_dense(x, weights, ids)
-        else:
-            out = self._forward_loop(x, weights, ids)
+        if path == "all":
+            return self.forward_all_experts(x, weights, ids, addend)
+        out = self._forward_dense(x, weights, ids) if path == "dense" else self._forward_loop(x, weights, ids)
         return out if addend is None else out + addend
 
     def _forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -202,12 +235,6 @@ class RoutedExperts(nn.ModuleList):
         gate_up = torch._grouped_mm(x[src_token], self.gate_up_proj.transpose(1, 2), offs=ends)
         y = torch._grouped_mm(silu_mul(gate_up), self.down_proj.transpose(1, 2), offs=ends)  # [T*k, D]
         return moe_combine(y, pos, weights, addend)
-
-    def gemv_applies(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
-        """Whether forward() runs forward_gemv: on a GPU, for few tokens (GEMV_MAX_TOKENS)."""
-        tokens, top_k = ids.shape
-        return (kernels_apply(x) and tokens <= GEMV_MAX_TOKENS
-                and tokens * top_k <= GEMV_MAX_PAIRS_PER_EXPERT * len(self))  # fmt: skip
 
     def forward_gemv(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                      addend: torch.Tensor | None = None,
@@ -263,6 +290,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.experts.gemv_applies(x, ids) and (shared := self.shared_experts.stacked_weights()) is not None:
+        path = routed_path(x, ids, len(self.experts))
+        if path == "gemv" and (shared := self.shared_experts.stacked_weights()) is not None:
             return self.experts.forward_gemv(x, weights, ids, shared=shared)  # one pair of kernels for both
-        return self.experts(x, weights, ids, addend=self.shared_experts(x))
+        return self.experts(x, weights, ids, addend=self.shared_experts(x), path=path)
