@@ -5,6 +5,7 @@
     python bench/kernels_gpu.py --only kda_prefill   # prefill: ours vs fla vs torch chunked, side by side
     python bench/kernels_gpu.py --only moe_gemv      # routed experts at decode sizes: gemv vs grouped
     python bench/kernels_gpu.py --only moe_paths     # each MoE path forced, 1-256 tokens, three routings
+    python bench/kernels_gpu.py --only mla_prefill   # MLA prefill: expanded form vs the absorbed reference
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -217,6 +218,53 @@ def run_prefill(sizes: list[tuple[int, int]]) -> list[dict]:
         cells = " ".join(f"{row[f'{name}_us']:10.0f} {row['tokens'] / row[f'{name}_us']:12.2f}" for name in impls)
         print(f"{row['op']:<40} {cells}")
     return rows
+
+
+def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, rank: int = 512, rope: int = 64,
+                      nope: int = 128, v_dim: int = 128) -> dict:
+    """One MLA layer's attention for a prefill step on the GPU (Kimi-Linear's sizes, bf16, block size 16):
+    the expanded form the layer runs now (``mla_prefill``: keys and values per head, torch's fused
+    attention) against the absorbed torch reference it ran before (``mla_attention`` with W_UK and W_UV,
+    fp32 scores), side by side. ``seqs`` sequences of ``new`` tokens each, after ``context`` cached ones."""
+    from atom.forward_context import AttentionMetadata
+    from atom.ops import split_decode_prefill
+    from atom.ops.mla import mla_attention, mla_prefill
+
+    bf16, block = torch.bfloat16, 16
+    seq_len = context + new
+    per_seq = -(-seq_len // block)
+    tables = torch.randperm(seqs * per_seq, device="cuda").view(seqs, per_seq)
+    starts = [i * new for i in range(seqs + 1)]
+    md = AttentionMetadata(query_start_loc=starts, context_lens=[context] * seqs, seq_lens=[seq_len] * seqs,
+                           block_tables=tables, slot_mapping=torch.zeros(seqs * new, dtype=torch.long, device="cuda"),
+                           state_slots=torch.zeros(seqs, dtype=torch.long, device="cuda"), block_size=block)  # fmt: skip
+    cache = torch.randn(seqs * per_seq, block, rank + rope, dtype=bf16, device="cuda")
+    q = torch.randn(seqs * new, heads, nope + rope, dtype=bf16, device="cuda")
+    kv_b = torch.randn(heads * (nope + v_dim), rank, dtype=bf16, device="cuda") * rank**-0.5
+    scale = (nope + rope) ** -0.5
+    (layout,) = split_decode_prefill(starts, torch.device("cuda"))
+    w_uk, w_uv = kv_b.view(heads, nope + v_dim, rank).split([nope, v_dim], dim=1)
+    out = torch.empty(seqs * new, heads, v_dim, dtype=bf16, device="cuda")
+
+    def expanded():
+        mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
+        return out
+
+    def absorbed():
+        q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+        latent = mla_attention(q_latent, q[..., nope:], cache, md, layout, scale)
+        return torch.einsum("thr,hvr->thv", latent.to(bf16), w_uv)
+
+    err = ((expanded().float() - absorbed().float()).norm() / absorbed().float().norm()).item()
+    new_us, old_us = time_us(expanded, reps=10, warmup=2), time_us(absorbed, reps=3, warmup=1)
+    # causal (query, key) pairs, each nope + rope + v multiply-adds a head in the expanded form
+    pairs = seqs * (new * context + new * (new + 1) // 2)
+    tflops = 2 * pairs * heads * (nope + rope + v_dim) / new_us / 1e6
+    name = f"mla_prefill {seqs}x{new} ctx={context} H={heads}"
+    print(f"{name}: expanded {new_us:.0f} us ({tflops:.0f} TFLOP/s), absorbed reference {old_us:.0f} us: "
+          f"{old_us / new_us:.1f}x (outputs differ by {err:.1e})", flush=True)  # fmt: skip
+    return {"op": name, "bytes": cache.numel() * 2 + (q.numel() + out.numel()) * 2, "us": new_us, "tflops": tflops,
+            "baseline_us": old_us}
 
 
 def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
@@ -487,6 +535,8 @@ def main() -> None:
         ("mla_decode B=64 ctx=4096 bs=16 splits=1", lambda: bench_mla(C, 64, 4096, splits=1)),
         ("mla_decode B=64 ctx=4096 bs=16 splits=4", lambda: bench_mla(C, 64, 4096, splits=4)),
     ]
+    cases += [(f"mla_prefill {n}x{t} ctx={c}", lambda n=n, t=t, c=c: bench_mla_prefill(n, t, c))
+              for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144))]  # fmt: skip
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
     cases += [(f"gated_rmsnorm rows={r}", lambda r=r: bench_norm(C, r)) for r in (64 * 32, 1 << 20)]
     cases += [(f"rms_norm rows={r} residual={a}", lambda r=r, a=a: bench_rms_norm(C, r, residual=a))

@@ -32,7 +32,8 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD, log to $OUT/NAME.txt, note its 
 }
 stage build 240 python3 setup.py build_ext --inplace -j 16 || { tail -40 "$OUT/build.txt"; exit 1; }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
-stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_build.py
+stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_mla_prefill.py \
+  tests/test_build.py
 # fla's tests last (below): Triton autotunes fla's kernels afresh on each new machine, which can take minutes
 stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py -k "not fla"
 if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary line is the stage's last line)

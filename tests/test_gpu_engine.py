@@ -2,7 +2,8 @@
 
 Skipped without CUDA and a built ``atom._C``. Both sides run the same small
 random Kimi-Linear checkpoint in fp32; the GPU side must actually go through
-the kernels (KDA prefill and decode groups, MLA decode), which the call counts check.
+the kernels (KDA prefill and decode groups, MLA decode) and MLA's GPU prefill form (``mla_prefill``),
+which the call counts check.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ def _generate(path: str, **kwargs) -> list[list[int]]:
 def kernel_calls(monkeypatch):
     """Counts the layers' calls into the kernel wrappers."""
     import atom.layers.kda as kda_layer
+    import atom.layers.mla as mla_layer
     import atom.ops.cuda as kernels
 
-    counts = {"kda_decode": 0, "kda_prefill": 0, "mla_decode": 0}
+    counts = {"kda_decode": 0, "kda_prefill": 0, "mla_decode": 0, "mla_prefill": 0}
 
     def counting(module, name):
         inner = getattr(module, name)
@@ -52,6 +54,7 @@ def kernel_calls(monkeypatch):
     counting(kda_layer, "kda_decode")
     counting(kda_layer, "kda_prefill")
     counting(kernels, "mla_decode")
+    counting(mla_layer, "mla_prefill")
     return counts
 
 
@@ -63,6 +66,7 @@ def test_gpu_kernels_match_cpu_reference(tmp_path, kernel_calls, variant, budget
     gpu = _generate(path, device="cuda", max_num_batched_tokens=budget)
     assert kernel_calls["kda_decode"] > 0 and kernel_calls["mla_decode"] > 0
     assert kernel_calls["kda_prefill"] > 0  # the 24- and 25-token prompts span more than one 16-token chunk
+    assert kernel_calls["mla_prefill"] > 0
     assert gpu == cpu
 
 

@@ -10,7 +10,9 @@ space (absorbed form, see ``atom.ops.mla``):
 On a GPU with the ``atom._C`` kernels, steps whose sequences all bring few
 new tokens (decode, 1 + k speculative verification) write the cache with
 ``write_latent_cache`` and attend with ``mla_decode``, one query row per
-token over its own prefix; longer steps use the torch reference.
+token over its own prefix. In longer steps, a GPU runs the prefills in the
+expanded form (``mla_prefill``: keys and values per head, torch's fused
+attention) and the rest through the torch reference, as a CPU runs all of it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from atom.layers.cache_spec import MLASpec
 from atom.layers.norm import RMSNorm
 from atom.ops import cuda as kernels
 from atom.ops import split_decode_prefill
-from atom.ops.mla import mla_attention, write_latent_cache
+from atom.ops.mla import mla_attention, mla_prefill, write_latent_cache
 
 # Steps whose longest query is at most this many tokens go through mla_decode
 # (decode, speculative verification, MTP drafting): each token row reads its
@@ -84,13 +86,24 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             write_latent_cache(latent_cache, torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1), md.slot_mapping)
 
-        q_nope, q_rope = self._query(hidden_states).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = self._query(hidden_states)  # [T, H, nope + rope]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         if fused:
-            out_latent = self._decode_kernel(q_latent, q_rope, latent_cache, md)
-        else:
+            out_latent = self._decode_kernel(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope, latent_cache, md)
+        elif kernels.kernels_apply(hidden_states):  # a GPU, a step with prefills in it
+            out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+            for layout in split_decode_prefill(md.query_start_loc, hidden_states.device):
+                if layout.max_len > 1:  # the expanded form, straight to the heads' values
+                    mla_prefill(q, latent_cache, self.kv_b_proj.weight, md, layout.seqs, self.scale, out)
+                else:  # the step's decode rows: the reference
+                    q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+                    latent = mla_attention(q_latent, q_rope, latent_cache, md, layout, self.scale)
+                    out[layout.token_ids] = torch.einsum("thr,hvr->thv", latent.to(hidden_states.dtype), w_uv)
+            return self.o_proj(out.flatten(1))
+        else:  # the reference
+            q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             out_latent = q_latent.new_empty(q_latent.shape, dtype=torch.float32)
             for layout in split_decode_prefill(md.query_start_loc, hidden_states.device):
                 out_latent[layout.token_ids] = mla_attention(q_latent, q_rope, latent_cache, md, layout, self.scale)

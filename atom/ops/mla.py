@@ -1,4 +1,5 @@
-"""Torch reference for MLA attention over the paged latent cache (absorbed form).
+"""MLA attention over the paged latent cache: the torch reference (absorbed form), and the
+expanded form that GPUs run for prefills (``mla_prefill``).
 
 Cache row of a token:  [ c = kv_a_layernorm(latent) (r) | k_rot (rope) ].
 Keys and values are never expanded per head: queries are absorbed into the
@@ -8,14 +9,25 @@ latent space (q_nope W_UK), so a head's score against token p is
 
 and its output in latent space is sum_p softmax(score)_p c_p, which the layer
 maps to per-head values with W_UV.
+
+A prefill's tokens each read the same keys, so expanding the cache rows once
+per head is cheaper there: ``mla_prefill`` computes k_nope and v from the rows
+with kv_b_proj (as transformers does), appends k_rot to every head's key, and
+runs torch's fused attention over them; per (query, key) pair that is
+nope + rope + v multiply-adds a head instead of 2 r + rope.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom.forward_context import AttentionMetadata
 from atom.ops import PaddedLayout
+from atom.ops.paged_attention import gather_seq
 
 
 def write_latent_cache(latent_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -60,3 +72,56 @@ def mla_attention(
         probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
         out[:, start:stop] = torch.einsum("bhlp,bpr->blhr", probs, kv[..., :rank])
     return layout.unpad(out)
+
+
+# cuDNN's fused attention first where it applies (bf16 on a GPU): on an H200 it took a chunk after a
+# context, with its mask, 1.4x faster than the kernel torch picks there by default (GPU_NOTES.md,
+# session 17); then torch's usual order.
+_PREFILL_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]  # fmt: skip
+
+
+def mla_prefill(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    md: AttentionMetadata,
+    seqs: Iterable[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The expanded form for the new tokens of ``seqs``: writes out[t] = the heads' values [H, v]
+    for each of their tokens t (what mla_attention's latent output times W_UV^T is).
+
+    q: [T, H, nope + rope] (nope part first) for the whole step; kv_b_weight: kv_b_proj's
+    weight [H * (nope + v), r]; latent_cache already holds this step's rows. The sequences'
+    rows are expanded together into keys [P, H, nope + rope] and values [P, H, v] in the
+    cache's dtype; then each sequence's queries attend causally, its last query to all its rows.
+    Nothing here waits for the device.
+    """
+    heads, v_dim = out.shape[1], out.shape[2]
+    rank = kv_b_weight.shape[1]
+    nope = kv_b_weight.shape[0] // heads - v_dim
+    seqs = list(seqs)
+    lens = [md.seq_lens[b] for b in seqs]
+    parts = [gather_seq(latent_cache, md.block_tables[b], n) for b, n in zip(seqs, lens)]
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum of lens, r + rope]
+    kv = F.linear(rows[:, :rank], kv_b_weight).view(-1, heads, nope + v_dim)
+    k = torch.cat([kv[..., :nope], rows[:, None, rank:].expand(-1, heads, rows.shape[-1] - rank)], dim=-1)
+    starts, first = md.query_start_loc, 0
+    with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
+        for b, length in zip(seqs, lens):
+            start, stop, keys = starts[b], starts[b + 1], slice(first, first + length)
+            first += length
+            mask = None  # a fresh prompt: plain causal
+            if md.context_lens[b]:  # query i sits at context + i and sees rows 0 .. context + i
+                mask = torch.ones(stop - start, length, dtype=torch.bool, device=q.device).tril(md.context_lens[b])
+            attn = F.scaled_dot_product_attention(
+                q[start:stop].transpose(0, 1).unsqueeze(0),
+                k[keys].transpose(0, 1).unsqueeze(0),
+                kv[keys, :, nope:].transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+            )
+            out[start:stop] = attn[0].transpose(0, 1)

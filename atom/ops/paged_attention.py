@@ -33,7 +33,7 @@ def write_kv_cache(
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One sequence's first seq_len tokens from the cache -> [seq_len, num_kv_heads, head_dim]."""
     num_blocks = -(-seq_len // cache.shape[1])
     return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
@@ -60,8 +60,8 @@ def paged_attention(
         if end == start:
             continue
         table = metadata.block_tables[i]
-        k = _gather_seq(k_cache, table, seq_len).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-        v = _gather_seq(v_cache, table, seq_len).transpose(0, 1).to(q.dtype)
+        k = gather_seq(k_cache, table, seq_len).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+        v = gather_seq(v_cache, table, seq_len).transpose(0, 1).to(q.dtype)
         mask = _causal_mask(ctx_len, end - start, seq_len, q.device)
         attn = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True

@@ -1,0 +1,86 @@
+"""MLA's expanded prefill form (``mla_prefill``, what a GPU runs for prefills) against the absorbed
+torch reference (``mla_attention`` then W_UV): fresh prompts, chunks after a context (causal from
+the bottom right), several sequences in one step over a shuffled paged cache. On the CPU in fp32 and
+fp64, and on a GPU in bf16 at Kimi-Linear's sizes (the fused attention kernels torch picks there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom.forward_context import AttentionMetadata
+from atom.ops import split_decode_prefill
+from atom.ops.mla import mla_attention, mla_prefill
+
+HEADS, RANK, ROPE, NOPE, V = 4, 32, 8, 16, 12
+BLOCK = 4
+
+
+def _step(contexts: list[int], new: list[int], dtype: torch.dtype, seed: int, device: str = "cpu",
+          heads: int = HEADS, rank: int = RANK, rope: int = ROPE, nope: int = NOPE, v: int = V):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(contexts, new)]
+    per_seq = [-(-s // BLOCK) for s in seq_lens]
+    blocks = torch.randperm(sum(per_seq) + 3, generator=gen)  # shuffled, some never used
+    tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.long)
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = blocks[used : used + n]
+        used += n
+    starts = [0]
+    for n in new:
+        starts.append(starts[-1] + n)
+    md = AttentionMetadata(query_start_loc=starts, context_lens=contexts, seq_lens=seq_lens,
+                           block_tables=tables.to(device),
+                           slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=device),
+                           state_slots=torch.zeros(len(seq_lens), dtype=torch.long, device=device), block_size=BLOCK)  # fmt: skip
+    cache = torch.randn(len(blocks), BLOCK, rank + rope, generator=gen).to(device, dtype)
+    q = torch.randn(starts[-1], heads, nope + rope, generator=gen).to(device, dtype)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=gen) * rank**-0.5).to(device, dtype)
+    return md, cache, q, kv_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "contexts, new",
+    [([0], [9]), ([0, 0, 0], [2, 17, 5]), ([6], [3]), ([0, 13, 1, 40], [7, 2, 11, 5])],
+)
+def test_mla_prefill_equals_the_absorbed_reference(contexts, new, dtype):
+    md, cache, q, kv_b = _step(contexts, new, dtype, seed=len(new) + sum(contexts))
+    scale = (NOPE + ROPE) ** -0.5
+    (layout,) = split_decode_prefill(md.query_start_loc, q.device)  # every sequence brings >= 2 tokens
+    w_uk, w_uv = kv_b.view(HEADS, NOPE + V, RANK).split([NOPE, V], dim=1)
+    q_latent = torch.einsum("thn,hnr->thr", q[..., :NOPE], w_uk)
+    latent = mla_attention(q_latent, q[..., NOPE:], cache, md, layout, scale)  # fp32 inside
+    expected = torch.einsum("thr,hvr->thv", latent.to(dtype), w_uv)
+
+    out = torch.full((q.shape[0], HEADS, V), float("nan"), dtype=dtype)
+    mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[layout.token_ids], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mla_prefill_writes_only_its_sequences_rows():
+    """A step's prefills are written, its other rows (decode rows, handled elsewhere) left alone."""
+    md, cache, q, kv_b = _step([0, 5, 3], [6, 1, 4], torch.float32, seed=7)
+    out = torch.full((q.shape[0], HEADS, V), float("nan"))
+    decode, prefill = split_decode_prefill(md.query_start_loc, q.device)
+    mla_prefill(q, cache, kv_b, md, prefill.seqs, (NOPE + ROPE) ** -0.5, out)
+    assert out[decode.token_ids].isnan().all() and not out[prefill.token_ids].isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("contexts, new", [([0], [300]), ([0, 37, 0, 300], [33, 70, 5, 129])])
+def test_mla_prefill_on_a_gpu_in_bf16(contexts, new):
+    heads, rank, rope, nope, v = 32, 512, 64, 128, 128
+    md, cache, q, kv_b = _step(contexts, new, torch.bfloat16, seed=3, device="cuda", heads=heads, rank=rank,
+                               rope=rope, nope=nope, v=v)  # fmt: skip
+    scale = (nope + rope) ** -0.5
+    (layout,) = split_decode_prefill(md.query_start_loc, q.device)
+    w_uk, w_uv = kv_b.view(heads, nope + v, rank).split([nope, v], dim=1)
+    latent = mla_attention(torch.einsum("thn,hnr->thr", q[..., :nope], w_uk), q[..., nope:], cache, md, layout, scale)
+    expected = torch.einsum("thr,hvr->thv", latent.to(torch.bfloat16), w_uv).float()
+    out = torch.full((q.shape[0], heads, v), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
+    err = ((out.float() - expected).norm() / expected.norm()).item()
+    assert err < 1e-2, err
