@@ -84,3 +84,14 @@ def test_mla_prefill_on_a_gpu_in_bf16(contexts, new):
     mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
     err = ((out.float() - expected).norm() / expected.norm()).item()
     assert err < 1e-2, err
+
+
+def test_the_prefill_form_switch(monkeypatch):
+    from atom.layers.mla import prefill_form
+
+    assert prefill_form() == "expanded"
+    monkeypatch.setenv("ATOM_MLA_PREFILL", "reference")
+    assert prefill_form() == "reference"
+    monkeypatch.setenv("ATOM_MLA_PREFILL", "absorbed")
+    with pytest.raises(ValueError, match="ATOM_MLA_PREFILL must be one of expanded, reference"):
+        prefill_form()

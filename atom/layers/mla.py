@@ -13,9 +13,12 @@ new tokens (decode, 1 + k speculative verification) write the cache with
 token over its own prefix. In longer steps, a GPU runs the prefills in the
 expanded form (``mla_prefill``: keys and values per head, torch's fused
 attention) and the rest through the torch reference, as a CPU runs all of it.
+``ATOM_MLA_PREFILL=reference`` sends a GPU's prefills through the reference too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -31,6 +34,15 @@ from atom.ops.mla import mla_attention, mla_prefill, write_latent_cache
 # (decode, speculative verification, MTP drafting): each token row reads its
 # whole prefix, so this only pays for short queries.
 KERNEL_MAX_QUERY_LEN = 8
+PREFILL_FORMS = ("expanded", "reference")
+
+
+def prefill_form() -> str:
+    """How a GPU runs MLA prefills: ``ATOM_MLA_PREFILL``, "expanded" (the default) or "reference"."""
+    form = os.environ.get("ATOM_MLA_PREFILL", "expanded")
+    if form not in PREFILL_FORMS:
+        raise ValueError(f"ATOM_MLA_PREFILL must be one of {', '.join(PREFILL_FORMS)}, got {form!r}")
+    return form
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -92,7 +104,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
         if fused:
             out_latent = self._decode_kernel(torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rope, latent_cache, md)
-        elif kernels.kernels_apply(hidden_states):  # a GPU, a step with prefills in it
+        elif kernels.kernels_apply(hidden_states) and prefill_form() == "expanded":  # a GPU, a step with prefills
             out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
             for layout in split_decode_prefill(md.query_start_loc, hidden_states.device):
                 if layout.max_len > 1:  # the expanded form, straight to the heads' values

@@ -1,0 +1,86 @@
+"""Prefill throughput through the engine on one GPU: MLA prefills in the expanded form (the default)
+against the torch reference (``ATOM_MLA_PREFILL=reference``), side by side in one run.
+
+    python bench/prefill_gpu.py                      # the cases below, bench/decode_gpu.py's model
+    python bench/prefill_gpu.py --ckpt /tmp/atom_kimi_1p3b
+
+Each case times ``LLM.generate`` of one new token for its prompts (prefill, then one decode step),
+median of three after a warm-up, with prefix caching off; a token budget below the prompt length
+splits it into chunks, whose later ones attend to the earlier ones' cached rows. The model is
+bench/decode_gpu.py's random Kimi-Linear-shaped checkpoint (bf16, 2 MLA layers of 8); KDA prefills
+take fla's kernels where it is installed and ours otherwise (printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (prompts, tokens each, token budget of a step)
+CASES = [(1, 4000, 4096), (1, 4000, 1024), (8, 1000, 8192), (32, 250, 8192)]
+
+
+def prefill_seconds(path: str, prompts: list[list[int]], budget: int) -> float:
+    from atom import LLM, SamplingParams
+
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=len(prompts), max_model_len=len(prompts[0]) + 8,
+              max_num_batched_tokens=budget, enable_prefix_caching=False)  # fmt: skip
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
+
+    def run() -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run()
+    seconds = sorted(run() for _ in range(3))[1]
+    assert llm.engine.all_resources_free()
+    del llm
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/prefill_gpu.py needs a CUDA GPU")
+    logging.getLogger("atom").setLevel(logging.WARNING)
+    from decode_gpu import make_model
+
+    from atom.ops.cuda.kda_prefill import fla_available
+
+    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
+        make_model(args.ckpt)
+        torch.cuda.empty_cache()
+    print(f"device {torch.cuda.get_device_name()}, KDA prefill: {'fla' if fla_available() else 'ours'}")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, length, budget in CASES:
+        prompts = torch.randint(3, 32000, (n, length), generator=gen).tolist()
+        times = {}
+        for form in ("expanded", "reference"):
+            os.environ["ATOM_MLA_PREFILL"] = form
+            times[form] = prefill_seconds(args.ckpt, prompts, budget)
+        os.environ.pop("ATOM_MLA_PREFILL")
+        rows.append((f"{n} x {length}, budget {budget}", n * length, times))
+        print(f"{rows[-1][0]}: expanded {times['expanded'] * 1e3:.1f} ms, reference {times['reference'] * 1e3:.1f} ms",
+              flush=True)  # fmt: skip
+    print(f"\n{'prompts':<28} {'expanded tok/s':>15} {'reference tok/s':>16} {'ratio':>6}")
+    for name, tokens, t in rows:
+        print(f"{name:<28} {tokens / t['expanded']:15.0f} {tokens / t['reference']:16.0f} "
+              f"{t['reference'] / t['expanded']:6.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
