@@ -283,6 +283,39 @@ def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> d
     return {"op": f"conv1d_update B={batch} C={channels} W={width}", "bytes": moved, "us": time_us(run)}
 
 
+def bench_conv_prefill(seqs: int, length: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
+    """KDA's short conv over a prefill step's packed sequences (bf16, Kimi-Linear's q|k|v channels):
+    ``conv1d_prefill`` against the torch path the layer ran before (pad, torch's depthwise conv1d with
+    the slots' states in front, SiLU, the new states gathered and written back, unpad), side by side."""
+    from atom.ops import split_decode_prefill
+    from atom.ops.cuda import conv1d_prefill
+    from atom.ops.kda import causal_conv1d_with_inputs
+
+    bf16 = torch.bfloat16
+    rows = seqs * length
+    x = torch.randn(rows, channels, dtype=bf16, device="cuda")
+    weight = torch.randn(channels, width, dtype=bf16, device="cuda")
+    pool = torch.randn(2 * seqs, channels, width - 1, dtype=bf16, device="cuda")
+    slots = torch.randperm(2 * seqs, device="cuda")[:seqs].contiguous()
+    keep = torch.ones(seqs, dtype=torch.bool, device="cuda")
+    (layout,) = split_decode_prefill([i * length for i in range(seqs + 1)], torch.device("cuda"))
+
+    def kernel():
+        return conv1d_prefill(x, layout.cu_seqlens, pool, weight, slots, has_initial_state=keep)
+
+    def torch_path():
+        state = torch.where(keep[:, None, None], pool[slots], 0)
+        out, new_state, _ = causal_conv1d_with_inputs(layout.pad(x).transpose(1, 2), state, weight, layout.lengths)
+        pool[slots] = new_state
+        return layout.unpad(out.transpose(1, 2))
+
+    new_us, old_us = time_us(kernel), time_us(torch_path)
+    moved = 2 * rows * channels * 2 + 2 * seqs * channels * (width - 1) * 2  # x, out, states read and written
+    name = f"conv1d_prefill {seqs}x{length} C={channels} W={width}"
+    print(f"{name}: kernel {new_us:.1f} us, torch path {old_us:.1f} us: {old_us / new_us:.1f}x", flush=True)
+    return {"op": name, "bytes": moved, "us": new_us, "baseline_us": old_us}
+
+
 def bench_norm(C, rows: int, dim: int = 128) -> dict:
     bf16 = torch.bfloat16
     x = torch.randn(rows, dim, dtype=bf16, device="cuda")
@@ -538,6 +571,7 @@ def main() -> None:
     cases += [(f"mla_prefill {n}x{t} ctx={c}", lambda n=n, t=t, c=c: bench_mla_prefill(n, t, c))
               for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144))]  # fmt: skip
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
+    cases += [(f"conv1d_prefill {n}x{t}", lambda n=n, t=t: bench_conv_prefill(n, t)) for n, t in ((1, 4000), (32, 250))]
     cases += [(f"gated_rmsnorm rows={r}", lambda r=r: bench_norm(C, r)) for r in (64 * 32, 1 << 20)]
     cases += [(f"rms_norm rows={r} residual={a}", lambda r=r, a=a: bench_rms_norm(C, r, residual=a))
               for r in (64, 16384) for a in (False, True)]  # fmt: skip

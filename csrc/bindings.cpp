@@ -102,6 +102,20 @@ PYBIND11_MODULE(_C, m) {
       py::arg("width"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
+      "conv1d_prefill",
+      [](uintptr_t x, int64_t x_stride, uintptr_t cu_seqlens, int64_t num_seqs, int64_t rows, uintptr_t conv_state,
+         int64_t slot_stride, uintptr_t weight, uintptr_t state_slots, uintptr_t out_slots,
+         uintptr_t has_initial_state, uintptr_t out, int64_t channels, int64_t width, int dtype, uintptr_t stream) {
+        check(atom::conv1d_prefill(x, x_stride, cu_seqlens, num_seqs, rows, conv_state, slot_stride, weight,
+                                   state_slots, out_slots, has_initial_state, out, channels, width, dtype, stream));
+      },
+      "depthwise causal conv1d + SiLU over packed prefill sequences and the slot-indexed conv state", py::arg("x"),
+      py::arg("x_stride"), py::arg("cu_seqlens"), py::arg("num_seqs"), py::arg("rows"), py::arg("conv_state"),
+      py::arg("slot_stride"), py::arg("weight"), py::arg("state_slots"), py::arg("out_slots"),
+      py::arg("has_initial_state"), py::arg("out"), py::arg("channels"), py::arg("width"), py::arg("dtype"),
+      py::arg("stream"));
+
+  m.def(
       "gated_rmsnorm",
       [](uintptr_t x, int64_t x_stride, uintptr_t gate, int64_t gate_stride, uintptr_t weight, uintptr_t out,
          int64_t out_stride, int64_t rows, int64_t dim, double eps, int dtype, uintptr_t stream) {

@@ -1,5 +1,6 @@
-// Short depthwise causal conv1d + SiLU for decode, over the slot-indexed
-// conv state (KDA's q/k/v short convolutions).
+// Short depthwise causal conv1d + SiLU over the slot-indexed conv state (KDA's
+// q/k/v short convolutions): conv1d_update for decode (a few tokens a sequence,
+// token by token), conv1d_prefill for prefill (packed sequences of any length).
 //
 // Per sequence b and channel c, with the slot's state [c, 0 .. W-2] = the last
 // W-1 raw inputs (oldest first) and weight [c, 0 .. W-1]:
@@ -90,6 +91,125 @@ const char* launch(const ConvParams& p, int64_t batch, cudaStream_t stream) {
   return last_launch_error();
 }
 
+// Prefill: sequence b owns packed rows [cu[b], cu[b + 1]) of x and out. Output row t of b sums the
+// W inputs ending at t in the same order and rounding as conv1d_update_kernel, taking the inputs before
+// the sequence's first row from its slot's state (zeros without one). A thread computes one channel of
+// kPrefillRows consecutive rows, sliding its window along them as conv1d_update_kernel does, and
+// starting a new window where a new sequence starts.
+constexpr int kPrefillRows = 16;
+
+struct ConvPrefillParams {
+  const void* x;
+  int64_t x_stride;
+  const int64_t* cu_seqlens;
+  int num_seqs;
+  int64_t rows;
+  void* state;
+  int64_t slot_stride;
+  const void* weight;
+  const int64_t* in_slots;
+  const uint8_t* has_initial_state;
+  void* out;
+  int64_t channels;
+};
+
+// The sequence that packed row t belongs to: the last b with cu[b] <= t (empty sequences skipped).
+__device__ __forceinline__ int seq_of_row(const int64_t* cu, int num_seqs, int64_t t) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Channel c's input j of a sequence whose rows start at x_first (j < 0: from the slot's state row, or zero).
+template <typename T, int W>
+__device__ __forceinline__ float prefill_input(const T* x_first, int64_t x_stride, int64_t j, const T* state_row) {
+  if (j >= 0) return to_float(x_first[j * x_stride]);
+  return state_row != nullptr ? to_float(state_row[(W - 1) + j]) : 0.f;
+}
+
+// Where sequence b's inputs come from, for channel c: its first row of x, and its state row (null: zeros).
+template <typename T, int W>
+__device__ __forceinline__ const T* state_row_of(const ConvPrefillParams& p, int b, int64_t c) {
+  const bool init = p.has_initial_state == nullptr || p.has_initial_state[b] != 0;
+  return init ? static_cast<const T*>(p.state) + p.in_slots[b] * p.slot_stride + c * (W - 1) : nullptr;
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads) conv1d_prefill_kernel(ConvPrefillParams p) {
+  const int64_t c = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x;
+  if (c >= p.channels) return;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kPrefillRows;
+  const int64_t t1 = min(t0 + kPrefillRows, p.rows);
+  const T* x = static_cast<const T*>(p.x) + c;
+  T* out = static_cast<T*>(p.out) + c;
+  float wt[W];
+#pragma unroll
+  for (int w = 0; w < W; ++w) wt[w] = to_float(static_cast<const T*>(p.weight)[c * W + w]);
+
+  int b = seq_of_row(p.cu_seqlens, p.num_seqs, t0);
+  int64_t end = p.cu_seqlens[b + 1];
+  float win[W - 1];
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t == t0 || t == end) {  // a window for row t: its sequence's W-1 inputs before it
+      while (p.cu_seqlens[b + 1] <= t) ++b;
+      const int64_t first = p.cu_seqlens[b];
+      end = p.cu_seqlens[b + 1];
+      const T* state_row = p.in_slots[b] >= 0 ? state_row_of<T, W>(p, b, c) : nullptr;
+      const T* x_first = x + first * p.x_stride;
+#pragma unroll
+      for (int w = 0; w < W - 1; ++w) {
+        win[w] = prefill_input<T, W>(x_first, p.x_stride, t - first - (W - 1) + w, state_row);
+      }
+    }
+    const float xt = to_float(x[t * p.x_stride]);
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < W - 1; ++w) acc = fmaf(wt[w], win[w], acc);
+    acc = fmaf(wt[W - 1], xt, acc);
+    const float y = round_to<T>(acc);
+    // a padding sequence (slot < 0) gets zeros
+    out[t * p.channels] = from_float<T>(p.in_slots[b] < 0 ? 0.f : y / (1.f + expf(-y)));
+#pragma unroll
+    for (int w = 0; w + 1 < W - 1; ++w) win[w] = win[w + 1];
+    win[W - 2] = xt;
+  }
+}
+
+// Each sequence's state after its last row: its last W-1 inputs. A separate launch, after every output
+// row has read the old states (a slot may be both read and written).
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads) conv1d_prefill_state_kernel(ConvPrefillParams p, const int64_t* out_slots) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int b = blockIdx.y;
+  if (c >= p.channels || p.in_slots[b] < 0 || out_slots[b] < 0) return;
+  const int64_t first = p.cu_seqlens[b], length = p.cu_seqlens[b + 1] - first;
+  const T* x_first = static_cast<const T*>(p.x) + first * p.x_stride + c;
+  const T* state_row = state_row_of<T, W>(p, b, c);
+  float win[W - 1];
+#pragma unroll
+  for (int w = 0; w < W - 1; ++w) win[w] = prefill_input<T, W>(x_first, p.x_stride, length - (W - 1) + w, state_row);
+  T* dst = static_cast<T*>(p.state) + out_slots[b] * p.slot_stride + c * (W - 1);
+#pragma unroll
+  for (int w = 0; w < W - 1; ++w) dst[w] = from_float<T>(win[w]);  // every read above before any write
+}
+
+template <typename T, int W>
+const char* launch_prefill(const ConvPrefillParams& p, const int64_t* out_slots, int64_t rows, cudaStream_t stream) {
+  const int64_t channel_blocks = ceil_div(p.channels, kThreads);
+  if (rows > 0) {
+    const dim3 grid(static_cast<unsigned>(ceil_div(rows, kPrefillRows)), static_cast<unsigned>(channel_blocks));
+    conv1d_prefill_kernel<T, W><<<grid, kThreads, 0, stream>>>(p);
+    if (const char* err = last_launch_error()) return err;
+  }
+  conv1d_prefill_state_kernel<T, W>
+      <<<dim3(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(p.num_seqs)), kThreads, 0, stream>>>(
+          p, out_slots);
+  return last_launch_error();
+}
+
 }  // namespace
 
 const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight,
@@ -124,6 +244,48 @@ const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride
         return launch<scalar_t, 5>(p, batch, st);
       default:
         return "conv1d_update: kernel width must be 2..5";
+    }
+  });
+}
+
+
+const char* conv1d_prefill(uintptr_t x, int64_t x_stride, uintptr_t cu_seqlens, int64_t num_seqs, int64_t rows,
+                           uintptr_t conv_state, int64_t slot_stride, uintptr_t weight, uintptr_t state_slots,
+                           uintptr_t out_slots, uintptr_t has_initial_state, uintptr_t out, int64_t channels,
+                           int64_t width, int dtype, uintptr_t stream) {
+  if (num_seqs < 0 || rows < 0 || channels < 1 || x_stride < channels) {
+    return "conv1d_prefill: needs num_seqs, rows >= 0, channels >= 1 and x_stride >= channels";
+  }
+  if (num_seqs > 65535 || rows > INT32_MAX || ceil_div(channels, kThreads) > 65535) {
+    return "conv1d_prefill: at most 65535 sequences, 2^31 - 1 rows and 65535 * 256 channels";
+  }
+  if (num_seqs == 0) return nullptr;
+  ConvPrefillParams p{reinterpret_cast<const void*>(x),
+                      x_stride,
+                      reinterpret_cast<const int64_t*>(cu_seqlens),
+                      static_cast<int>(num_seqs),
+                      rows,
+                      reinterpret_cast<void*>(conv_state),
+                      slot_stride,
+                      reinterpret_cast<const void*>(weight),
+                      reinterpret_cast<const int64_t*>(state_slots),
+                      reinterpret_cast<const uint8_t*>(has_initial_state),
+                      reinterpret_cast<void*>(out),
+                      channels};
+  const auto* outs = reinterpret_cast<const int64_t*>(out_slots);
+  cudaStream_t st = as_stream(stream);
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "conv1d_prefill", [&]() -> const char* {
+    switch (width) {
+      case 2:
+        return launch_prefill<scalar_t, 2>(p, outs, rows, st);
+      case 3:
+        return launch_prefill<scalar_t, 3>(p, outs, rows, st);
+      case 4:
+        return launch_prefill<scalar_t, 4>(p, outs, rows, st);
+      case 5:
+        return launch_prefill<scalar_t, 5>(p, outs, rows, st);
+      default:
+        return "conv1d_prefill: kernel width must be 2..5";
     }
   });
 }

@@ -94,6 +94,15 @@ const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride
                           int64_t batch, int64_t tokens, int64_t channels, int64_t width, int dtype,
                           uintptr_t stream);
 
+// conv1d_prefill: the same conv over packed sequences: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
+// of x (row stride x_stride elements) and out ([rows, channels] contiguous); cu_seqlens int64 [num_seqs + 1].
+// Its inputs before row cu_seqlens[b] come from slot state_slots[b] (zeros where has_initial_state[b] == 0);
+// its last width - 1 inputs become slot out_slots[b] (< 0: not written). state_slots[b] < 0: zero output.
+const char* conv1d_prefill(uintptr_t x, int64_t x_stride, uintptr_t cu_seqlens, int64_t num_seqs, int64_t rows,
+                           uintptr_t conv_state, int64_t slot_stride, uintptr_t weight, uintptr_t state_slots,
+                           uintptr_t out_slots, uintptr_t has_initial_state, uintptr_t out, int64_t channels,
+                           int64_t width, int dtype, uintptr_t stream);
+
 // ---- norm.cu: out = weight * rmsnorm(x) * sigmoid(gate), fp32 inside.
 //
 // x, gate, out: [rows, dim] with row strides in elements (last dim

@@ -10,13 +10,15 @@ that matches its reference computes what the model computes.
 
 from __future__ import annotations
 
+import itertools
+
 import os
 
 import pytest
 import torch
 
 from atom.ops._C_loader import get_C
-from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode, write_latent_cache
+from atom.ops.cuda import conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode, write_latent_cache
 from atom.ops.cuda import reference as ref
 from atom.ops.cuda.kda_prefill import FLA_HEAD_DIMS, fla_available, prefill_backend
 
@@ -99,6 +101,27 @@ def test_conv_reference_matches_model_conv():
     expected, new_state = causal_conv1d(x.transpose(1, 2), pool[slots].clone(), weight, torch.full((B,), T))
     out = ref.conv1d_update_ref(x, pool, weight, slots)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool[slots], new_state, rtol=0, atol=0)
+
+
+def test_conv_prefill_reference_matches_model_conv():
+    """conv1d_prefill's reference (packed sequences of different lengths, one shorter than the window,
+    one without an initial state) against the padded torch conv the layers ran before."""
+    from atom.ops.kda import causal_conv1d_with_inputs
+
+    torch.manual_seed(1)
+    lens, C, W = [5, 2, 9], 12, 4
+    x, weight = _rand(sum(lens), C), _rand(C, W)
+    pool = _rand(6, C, W - 1)
+    slots, keep = torch.tensor([3, 0, 5]), torch.tensor([True, False, True])
+    padded = torch.zeros(len(lens), max(lens), C)
+    for b, (lo, n) in enumerate(zip([0, 5, 7], lens)):
+        padded[b, :n] = x[lo : lo + n]
+    state = torch.where(keep[:, None, None], pool[slots], 0)
+    expected, new_state, _ = causal_conv1d_with_inputs(padded.transpose(1, 2), state, weight, torch.tensor(lens))
+    out = ref.conv1d_prefill_ref(x, torch.tensor([0, 5, 7, 16]), pool, weight, slots, has_initial_state=keep)
+    for b, (lo, n) in enumerate(zip([0, 5, 7], lens)):
+        torch.testing.assert_close(out[lo : lo + n], expected[b, :, :n].T, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pool[slots], new_state, rtol=0, atol=0)
 
 
@@ -313,6 +336,43 @@ def test_conv1d_update(dtype, B, T, C, W, mode):
     out = torch.full((B, T, C), float("nan"), dtype=dtype, device="cuda")
     conv1d_update(x.cuda(), pool_gpu, weight.cuda(), ins.cuda(), out_slots=outs.cuda() if outs is not None else None,
                   per_token=per_token, has_initial_state=has_init.cuda(), out=out)  # fmt: skip
+    assert rel_err(out, expected) < TOL[dtype]
+    # state values are copies of inputs: exact (NaN only where nothing was written)
+    assert torch.equal(pool_gpu.cpu().nan_to_num(7.0), expected_pool.nan_to_num(7.0))
+    assert not pool_gpu[sorted(written)].isnan().any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", [2, 4, 5])
+@pytest.mark.parametrize("lens, C, separate_out", [
+    ([9], 96, False),  # one sequence
+    ([1, 2, 3, 40, 5], 300, True),  # shorter than the window, odd channel count, new slots
+    ([0, 7, 2], 64, False),  # an empty sequence keeps (or clears) its state
+    ([130, 257], 24, True),  # channels fewer than a block
+])  # fmt: skip
+def test_conv1d_prefill(dtype, W, lens, C, separate_out):
+    """The packed prefill conv against the decode reference run sequence by sequence: poisoned output,
+    slots shuffled, some without an initial state, each slot of the pool written only where it should be."""
+    torch.manual_seed(C + W + len(lens))
+    B, T = len(lens), sum(lens)
+    x = _rand(T + 3, C, dtype=dtype)[2:-1]  # rows of a larger tensor
+    weight = _rand(C, W, dtype=dtype)
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int64)
+    perm = torch.randperm(3 * B)
+    ins = perm[:B]
+    outs = perm[B : 2 * B] if separate_out else None
+    pool = _rand(3 * B, C, W - 1, dtype=dtype)
+    written = set((outs if separate_out else ins).tolist())
+    _poison(pool, set(ins.tolist()), written)
+    has_init = torch.rand(B) > 0.3
+    expected_pool = pool.clone()
+    expected = ref.conv1d_prefill_ref(x, cu, expected_pool, weight, ins, outs, has_init)
+    pool_gpu = pool.cuda()
+    out = torch.full((T, C), float("nan"), dtype=dtype, device="cuda")
+    conv1d_prefill(x.cuda(), cu.cuda(), pool_gpu, weight.cuda(), ins.cuda(),
+                   out_slots=outs.cuda() if outs is not None else None, has_initial_state=has_init.cuda(), out=out)  # fmt: skip
+    assert not out.isnan().any()
     assert rel_err(out, expected) < TOL[dtype]
     # state values are copies of inputs: exact (NaN only where nothing was written)
     assert torch.equal(pool_gpu.cpu().nan_to_num(7.0), expected_pool.nan_to_num(7.0))

@@ -17,8 +17,8 @@ new token.
 On a GPU with the ``atom._C`` kernels, decode rows (one token each) and
 speculative verification rows (1 + k tokens each, all the same length) run
 ``conv1d_update`` + ``kda_decode`` + ``gated_rmsnorm`` straight on the slot
-pools; prefill rows run the torch conv, then ``kda_prefill`` (chunked, on the
-packed tokens, straight on the state pool). Elsewhere (CPU,
+pools; prefill rows run ``conv1d_prefill`` and ``kda_prefill`` (chunked), both on
+the packed tokens, straight on the pools. Elsewhere (CPU,
 ``ATOM_FORCE_REFERENCE=1``) every group runs the reference.
 """
 
@@ -32,7 +32,7 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.layers.linear import StackedLinears
 from atom.layers.norm import GatedRMSNorm
 from atom.ops import PaddedLayout, split_decode_prefill
-from atom.ops.cuda import conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, kernels_apply
+from atom.ops.cuda import conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, kernels_apply
 from atom.ops.cuda.fused import kda_gate
 from atom.ops.kda import causal_conv1d_with_inputs, conv_states_per_token, kda, kda_recurrent_states, l2norm
 
@@ -163,7 +163,7 @@ class KimiDeltaAttention(nn.Module):
         return out.view(-1, heads, dim)
 
     def _prefill_kernel(self, mixed, g, beta, layout: PaddedLayout, whole: bool) -> torch.Tensor:
-        """``_recur`` for a group of prefill rows: torch conv, then ``kda_prefill`` on the packed tokens.
+        """``_recur`` for a group of prefill rows: ``conv1d_prefill``, then ``kda_prefill`` on the packed tokens.
 
         Returns [T', H, V] in the model dtype, in the order of ``layout.token_ids``.
         """
@@ -172,14 +172,11 @@ class KimiDeltaAttention(nn.Module):
         md = ctx.attn_metadata
         slots, out_slots = md.state_slots[layout.seq_ids], md.state_out_slots[layout.seq_ids]
         keep = md.has_initial_state[layout.seq_ids]
-        conv_state = torch.where(keep[:, None, None], conv_pool[slots], 0)
-        x = layout.pad(mixed).transpose(1, 2)
-        conv_out, conv_state, _ = causal_conv1d_with_inputs(x, conv_state, self._conv_weight(), layout.lengths)
-        conv_pool[out_slots] = conv_state
-        packed = layout.unpad(conv_out.transpose(1, 2))  # [T', 3*H*K], sequence by sequence
+        tokens = (lambda t: t) if whole else (lambda t: t[layout.token_ids])  # noqa: E731
+        packed = conv1d_prefill(tokens(mixed), layout.cu_seqlens, conv_pool, self._conv_weight(), slots,
+                                out_slots=out_slots, has_initial_state=keep)  # [T', 3*H*K], sequence by sequence
         heads, dim = self.num_heads, self.head_dim
         q, k, v = (t.unflatten(-1, (heads, dim)) for t in packed.split(heads * dim, dim=-1))
-        tokens = (lambda t: t) if whole else (lambda t: t[layout.token_ids])  # noqa: E731
         return kda_prefill(q, k, v, tokens(g), tokens(beta), layout.cu_seqlens, state_pool, slots,
                            out_slots=out_slots, has_initial_state=keep)  # fmt: skip
 

@@ -9,6 +9,7 @@ links against torch's C++ ABI.
     kda_decode            KDA decode step over the slot-indexed fp32 state (1 + k tokens)
     kda_prefill           KDA prefill of varlen packed sequences, chunked (ours, or fla's chunk_kda)
     conv1d_update         short causal conv1d + SiLU over the slot-indexed conv state
+    conv1d_prefill        the same over packed prefill sequences
     gated_rmsnorm         weight * rmsnorm(x) * sigmoid(gate)
     mla_decode            MLA absorbed decode attention over the paged latent cache
     write_latent_cache    MLA cache rows [latent | k_rot] at slot_mapping
@@ -20,10 +21,10 @@ Whole-block gathers/scatters for P/D and offload live in ``atom.ops.cache_ops``.
 """
 
 from atom.ops.cuda._launch import kernels_apply
-from atom.ops.cuda.kda import conv1d_update, kda_decode
+from atom.ops.cuda.kda import conv1d_prefill, conv1d_update, kda_decode
 from atom.ops.cuda.kda_prefill import kda_prefill
 from atom.ops.cuda.mla import mla_decode, write_latent_cache
 from atom.ops.cuda.norm import gated_rmsnorm
 
-__all__ = ["kernels_apply", "kda_decode", "kda_prefill", "conv1d_update", "gated_rmsnorm", "mla_decode",
-           "write_latent_cache"]
+__all__ = ["kernels_apply", "kda_decode", "kda_prefill", "conv1d_update", "conv1d_prefill", "gated_rmsnorm",
+           "mla_decode", "write_latent_cache"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
-from atom.ops.cuda.reference import conv1d_update_ref, kda_decode_ref
+from atom.ops.cuda.reference import conv1d_prefill_ref, conv1d_update_ref, kda_decode_ref
 
 
 def kda_decode(
@@ -130,6 +130,52 @@ def conv1d_update(
             channels, width, dtype_code(dtype), stream_of(x.device),
         )  # fmt: skip
     return out if out is not None else (result.squeeze(1) if squeeze else result)
+
+
+def conv1d_prefill(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    state_slots: torch.Tensor,
+    *,
+    out_slots: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``conv1d_update`` for prefills: x [T, C] holds packed sequences, sequence b in rows
+    [cu_seqlens[b], cu_seqlens[b + 1]) (int64 [B + 1]); its inputs before its first row come
+    from slot state_slots[b] and its last W-1 inputs become slot out_slots[b] (slots and
+    has_initial_state as for ``kda_decode``, one slot per sequence). Returns silu(conv) [T, C],
+    written into ``out`` if given. On a GPU every row is computed at once (no token loop).
+    """
+    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    rows, channels = x.shape
+    width, batch = weight.shape[-1], cu_seqlens.numel() - 1
+    if weight.shape[0] != channels or conv_pool.shape[1:] != (channels, width - 1):
+        raise ValueError(f"conv1d_prefill: need weight [{channels}, W] and conv_pool [slots, {channels}, W-1]; "
+                         f"got {tuple(weight.shape)} and {tuple(conv_pool.shape)}")  # fmt: skip
+    if not kernels_apply(x, conv_pool, weight, state_slots, cu_seqlens) or not 2 <= width <= 5:
+        ref = conv1d_prefill_ref(x, cu_seqlens, conv_pool, weight, state_slots, out_slots, has_initial_state)
+        return _into(ref, out)
+    if not conv_pool[0].is_contiguous():
+        raise ValueError("conv1d_prefill: each slot of conv_pool must be one contiguous [C, W-1] block")
+    dtype = conv_pool.dtype
+    x = x.to(dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.to(dtype).contiguous()
+    ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, x.device)
+    cu = cu_seqlens.to(device=x.device, dtype=torch.int64).contiguous()
+    result = output_buffer(out, (rows, channels), dtype, x.device)
+    with torch.cuda.device(x.device):
+        C().conv1d_prefill(
+            x.data_ptr(), max(x.stride(0), channels), cu.data_ptr(), batch, rows, conv_pool.data_ptr(),
+            conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(), outs.data_ptr(),
+            init.data_ptr() if init is not None else 0, result.data_ptr(), channels, width, dtype_code(dtype),
+            stream_of(x.device),
+        )  # fmt: skip
+    return out if out is not None else result
 
 
 def output_buffer(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

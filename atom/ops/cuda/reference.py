@@ -157,6 +157,32 @@ def conv1d_update_ref(
     return out
 
 
+def conv1d_prefill_ref(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    state_slots: torch.Tensor,
+    out_slots: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``conv1d_update_ref`` over packed sequences: sequence b is rows [cu_seqlens[b], cu_seqlens[b+1])
+    of x [T, C], its state in slot state_slots[b], written to out_slots[b]. Returns y [T, C].
+    Sequence by sequence, so slots must not be shared between sequences (the kernel reads every
+    old state before it writes any)."""
+    bounds = cu_seqlens.tolist()
+    ins = state_slots.reshape(-1)
+    outs = ins if out_slots is None else out_slots.reshape(-1)
+    flags = None if has_initial_state is None else has_initial_state.reshape(-1)
+    out = torch.zeros_like(x)
+    for b in range(len(bounds) - 1):
+        lo, hi = bounds[b], bounds[b + 1]
+        flag = None if flags is None else flags[b : b + 1]
+        out[lo:hi] = conv1d_update_ref(x[None, lo:hi], conv_pool, weight, ins[b : b + 1], outs[b : b + 1], False,
+                                       flag)[0]  # fmt: skip
+    return out
+
+
 def gated_rmsnorm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(weight * (x * rsqrt(mean(x^2) + eps))) * sigmoid(gate), fp32 inside, in x's dtype."""
     return (weight.float() * rms_normalize(x, eps) * torch.sigmoid(gate.float())).to(x.dtype)
