@@ -6,6 +6,7 @@
     python bench/kernels_gpu.py --only moe_gemv      # routed experts at decode sizes: gemv vs grouped
     python bench/kernels_gpu.py --only moe_paths     # each MoE path forced, 1-256 tokens, three routings
     python bench/kernels_gpu.py --only mla_prefill   # MLA prefill: expanded form vs the absorbed reference
+    python bench/kernels_gpu.py --only conv1d_prefill  # KDA's prefill conv: kernel vs the torch path
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -237,7 +238,8 @@ def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, ra
     starts = [i * new for i in range(seqs + 1)]
     md = AttentionMetadata(query_start_loc=starts, context_lens=[context] * seqs, seq_lens=[seq_len] * seqs,
                            block_tables=tables, slot_mapping=torch.zeros(seqs * new, dtype=torch.long, device="cuda"),
-                           state_slots=torch.zeros(seqs, dtype=torch.long, device="cuda"), block_size=block)  # fmt: skip
+                           state_slots=torch.zeros(seqs, dtype=torch.long, device="cuda"),
+                           block_size=block)  # fmt: skip
     cache = torch.randn(seqs * per_seq, block, rank + rope, dtype=bf16, device="cuda")
     q = torch.randn(seqs * new, heads, nope + rope, dtype=bf16, device="cuda")
     kv_b = torch.randn(heads * (nope + v_dim), rank, dtype=bf16, device="cuda") * rank**-0.5

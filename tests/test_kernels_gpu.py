@@ -11,14 +11,14 @@ that matches its reference computes what the model computes.
 from __future__ import annotations
 
 import itertools
-
 import os
 
 import pytest
 import torch
 
 from atom.ops._C_loader import get_C
-from atom.ops.cuda import conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode, write_latent_cache
+from atom.ops.cuda import (conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode,
+                           write_latent_cache)
 from atom.ops.cuda import reference as ref
 from atom.ops.cuda.kda_prefill import FLA_HEAD_DIMS, fla_available, prefill_backend
 
@@ -371,7 +371,8 @@ def test_conv1d_prefill(dtype, W, lens, C, separate_out):
     pool_gpu = pool.cuda()
     out = torch.full((T, C), float("nan"), dtype=dtype, device="cuda")
     conv1d_prefill(x.cuda(), cu.cuda(), pool_gpu, weight.cuda(), ins.cuda(),
-                   out_slots=outs.cuda() if outs is not None else None, has_initial_state=has_init.cuda(), out=out)  # fmt: skip
+                   out_slots=outs.cuda() if outs is not None else None, has_initial_state=has_init.cuda(),
+                   out=out)  # fmt: skip
     assert not out.isnan().any()
     assert rel_err(out, expected) < TOL[dtype]
     # state values are copies of inputs: exact (NaN only where nothing was written)

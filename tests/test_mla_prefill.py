@@ -33,7 +33,8 @@ def _step(contexts: list[int], new: list[int], dtype: torch.dtype, seed: int, de
     md = AttentionMetadata(query_start_loc=starts, context_lens=contexts, seq_lens=seq_lens,
                            block_tables=tables.to(device),
                            slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=device),
-                           state_slots=torch.zeros(len(seq_lens), dtype=torch.long, device=device), block_size=BLOCK)  # fmt: skip
+                           state_slots=torch.zeros(len(seq_lens), dtype=torch.long, device=device),
+                           block_size=BLOCK)  # fmt: skip
     cache = torch.randn(len(blocks), BLOCK, rank + rope, generator=gen).to(device, dtype)
     q = torch.randn(starts[-1], heads, nope + rope, generator=gen).to(device, dtype)
     kv_b = (torch.randn(heads * (nope + v), rank, generator=gen) * rank**-0.5).to(device, dtype)

@@ -40,7 +40,7 @@ from atom.layers.linear import StackedLinears
 from atom.ops.cuda import kernels_apply
 from atom.ops.cuda.fused import moe_align, moe_combine, moe_gemv, moe_route, router_logits, silu_mul
 
-# Which GPU path a batch of T tokens with k picks each over E experts takes (routed_path), from
+# Which GPU path a batch of T tokens with k picks each over E experts takes (choose_path), from
 # bench/kernels_gpu.py --only moe_paths: each path forced, bf16, a shared expert, at E=256 k=8 (Kimi-Linear),
 # E=64 k=6 and E=16 k=4, 1-256 tokens (GPU_NOTES.md, session 17).
 # - gemv (forward_gemv) reads an expert's rows once per (token, pick) pair, a repeat mostly from L2. It was
@@ -52,10 +52,11 @@ GEMV_MAX_TOKENS = int(os.environ.get("ATOM_MOE_GEMV_MAX_TOKENS", 48))
 GEMV_MAX_PAIRS_PER_EXPERT = 1.5
 # - every expert (forward_all_experts, bf16 on Hopper; _forward_dense otherwise) reads every expert's
 #   weights in one batched matmul per projection, faster per byte than the grouped matmuls over the picked
-#   experts (67-81% of the copy ceiling where nearly every expert is picked, grouped 43-67%). It was faster than grouped wherever the batch was
-#   expected to pick at least 2/3 of the experts (1 - (1 - k/E)^T, picks spread evenly), up to 128 tokens at
-#   E=256, 192 at E=64 and 256 at E=16 (where its extra arithmetic, T * E expert rows, starts to count):
-#   1.59x at E=16 and 16 tokens, 1.32x at E=64 and 24. ATOM_MOE_ALL_EXPERTS_MIN_SHARE overrides the share.
+#   experts (67-81% of the copy ceiling where nearly every expert is picked, grouped 43-67%). It was faster
+#   than grouped wherever the batch was expected to pick at least 2/3 of the experts (1 - (1 - k/E)^T, picks
+#   spread evenly), up to 128 tokens at E=256, 192 at E=64 and 256 at E=16 (where its extra arithmetic, T * E
+#   expert rows, starts to count): 1.59x at E=16 and 16 tokens, 1.32x at E=64 and 24.
+#   ATOM_MOE_ALL_EXPERTS_MIN_SHARE overrides the share (read at import).
 ALL_EXPERTS_MIN_SHARE = float(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_SHARE", 2 / 3))
 DENSE_MAX_TOKENS = 128
 # - grouped (forward_grouped, bf16 on Hopper): the rest, and every batch of more than DENSE_MAX_TOKENS.

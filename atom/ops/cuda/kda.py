@@ -147,7 +147,7 @@ def conv1d_prefill(
     [cu_seqlens[b], cu_seqlens[b + 1]) (int64 [B + 1]); its inputs before its first row come
     from slot state_slots[b] and its last W-1 inputs become slot out_slots[b] (slots and
     has_initial_state as for ``kda_decode``, one slot per sequence). Returns silu(conv) [T, C],
-    written into ``out`` if given. On a GPU every row is computed at once (no token loop).
+    written into ``out`` if given. On a GPU the rows are computed in parallel, 16 to a thread.
     """
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
     rows, channels = x.shape
