@@ -2,7 +2,7 @@
 
     python bench/kernels_gpu.py                 # every kernel, default sizes
     python bench/kernels_gpu.py --json out.json
-    python bench/kernels_gpu.py --only kda_prefill   # prefill: ours vs fla vs torch chunked, side by side
+    python bench/kernels_gpu.py --only kda_prefill   # prefill: our scans (tf32, fp32) vs fla vs torch chunked
     python bench/kernels_gpu.py --only moe_gemv      # routed experts at decode sizes: gemv vs grouped
     python bench/kernels_gpu.py --only moe_paths     # each MoE path forced, 1-256 tokens, three routings
     python bench/kernels_gpu.py --only mla_prefill   # MLA prefill: expanded form vs the absorbed reference
@@ -178,21 +178,26 @@ def kda_prefill_inputs(seqs: int, length: int, heads: int = 32, dim: int = 128) 
     }  # fmt: skip
 
 
+PREFILL_IMPLS = {"tf32": ("atom", "tf32"), "fp32": ("atom", "fp32"), "fla": ("fla", None)}  # kda_prefill's (backend, scan)
+
+
 def bench_kda_prefill(seqs: int, length: int, impl: str) -> float:
-    """Microseconds of one KDA prefill (H=32, K=V=128, bf16 q/k/v, fp32 state) through ``impl``:
-    'atom' / 'fla' (``kda_prefill``'s backends) or 'torch' (the chunked reference on the padded batch,
-    what the layer ran before)."""
+    """Microseconds of one KDA prefill (H=32, K=V=128, bf16 q/k/v, fp32 state) through ``impl``: a
+    ``PREFILL_IMPLS`` name (ours with the tf32 or the fp32 scan; fla), or
+    'torch' (the chunked reference on the padded batch, what the layer ran before fused kernels)."""
     from atom.ops.cuda.kda_prefill import kda_prefill
     from atom.ops.kda import kda_chunked, l2norm
 
     x = kda_prefill_inputs(seqs, length)
-    if impl == "fla":  # also how far fla is from ours on these inputs (output and final state)
-        pools = [x["state_pool"].clone() for _ in range(2)]
-        outs = [kda_prefill(**{**x, "state_pool": pool}, backend=b) for pool, b in zip(pools, ("atom", "fla"))]
-        errs = [((b.float() - a.float()).norm() / a.float().norm()).item() for a, b in (outs, pools)]
-        print(f"fla vs atom {seqs}x{length}: output rel err {errs[0]:.2e}, final state rel err {errs[1]:.2e}")
-    if impl != "torch":
-        return time_us(lambda: kda_prefill(**x, backend=impl), reps=20 if impl == "atom" else 10)
+    if impl in PREFILL_IMPLS:
+        backend, scan = PREFILL_IMPLS[impl]
+        if impl != "fp32":  # also how far it is from the fp32 scan on these inputs (output and final state)
+            pools = [x["state_pool"].clone() for _ in range(2)]
+            outs = [kda_prefill(**{**x, "state_pool": pool}, backend=b, scan=s)
+                    for pool, (b, s) in zip(pools, (PREFILL_IMPLS["fp32"], PREFILL_IMPLS[impl]))]  # fmt: skip
+            errs = [((b.float() - a.float()).norm() / a.float().norm()).item() for a, b in (outs, pools)]
+            print(f"{impl} vs fp32 {seqs}x{length}: output rel err {errs[0]:.2e}, final state rel err {errs[1]:.2e}")
+        return time_us(lambda: kda_prefill(**x, backend=backend, scan=scan), reps=10 if impl == "fla" else 20)
 
     def torch_ref():
         shape = (seqs, length, *x["q"].shape[1:])
@@ -209,7 +214,7 @@ def run_prefill(sizes: list[tuple[int, int]]) -> list[dict]:
     from atom.ops.cuda.kda_prefill import fla_available
 
     rows = [{"op": f"kda_prefill {n}x{t} H=32 K=V=128 bf16", "tokens": n * t} for n, t in sizes]
-    impls = ["atom", "torch"] + (["fla"] if fla_available() else [])
+    impls = ["tf32", "fp32", "torch"] + (["fla"] if fla_available() else [])
     for impl in impls:
         for row, (n, t) in zip(rows, sizes):
             row[f"{impl}_us"] = us = bench_kda_prefill(n, t, impl)

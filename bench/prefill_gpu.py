@@ -1,14 +1,16 @@
-"""Prefill throughput through the engine on one GPU: MLA prefills in the expanded form (the default)
-against the torch reference (``ATOM_MLA_PREFILL=reference``), side by side in one run.
+"""Prefill throughput through the engine on one GPU, two settings of one switch side by side in one run:
+by default MLA prefills in the expanded form (the default) against the torch reference
+(``ATOM_MLA_PREFILL=reference``).
 
     python bench/prefill_gpu.py                      # the cases below, bench/decode_gpu.py's model
     python bench/prefill_gpu.py --ckpt /tmp/atom_kimi_1p3b
+    python bench/prefill_gpu.py --compare ATOM_KDA_SCAN=tf32,fp32   # KDA's chunk scan on tensor cores or not
 
 Each case times ``LLM.generate`` of one new token for its prompts (prefill, then one decode step),
 median of three after a warm-up, with prefix caching off; a token budget below the prompt length
 splits it into chunks, whose later ones attend to the earlier ones' cached rows. The model is
 bench/decode_gpu.py's random Kimi-Linear-shaped checkpoint (bf16, 2 MLA layers of 8); KDA prefills
-take fla's kernels where it is installed and ours otherwise (printed).
+run our kernels unless ATOM_KDA_PREFILL says otherwise (printed).
 """
 
 from __future__ import annotations
@@ -52,34 +54,43 @@ def prefill_seconds(path: str, prompts: list[list[int]], budget: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--compare", default="ATOM_MLA_PREFILL=expanded,reference",
+                   help="VAR=A,B: the environment variable to set, and its two values (A is the one measured for)")
     args = p.parse_args()
+    var, _, values = args.compare.partition("=")
+    forms = tuple(values.split(","))
+    if not var or len(forms) != 2 or not all(forms):
+        sys.exit(f"--compare takes VAR=A,B (e.g. ATOM_KDA_SCAN=tf32,fp32), got {args.compare!r}")
     if not torch.cuda.is_available():
         sys.exit("bench/prefill_gpu.py needs a CUDA GPU")
     logging.getLogger("atom").setLevel(logging.WARNING)
     from decode_gpu import make_model
 
-    from atom.ops.cuda.kda_prefill import fla_available
+    from atom.ops.cuda.kda_prefill import prefill_backend
 
     if not os.path.exists(os.path.join(args.ckpt, "config.json")):
         make_model(args.ckpt)
         torch.cuda.empty_cache()
-    print(f"device {torch.cuda.get_device_name()}, KDA prefill: {'fla' if fla_available() else 'ours'}")
+    print(f"device {torch.cuda.get_device_name()}, KDA prefill: {prefill_backend()}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, length, budget in CASES:
         prompts = torch.randint(3, 32000, (n, length), generator=gen).tolist()
         times = {}
-        for form in ("expanded", "reference"):
-            os.environ["ATOM_MLA_PREFILL"] = form
+        before = os.environ.get(var)
+        for form in forms:
+            os.environ[var] = form
             times[form] = prefill_seconds(args.ckpt, prompts, budget)
-        os.environ.pop("ATOM_MLA_PREFILL")
+        if before is None:
+            os.environ.pop(var)
+        else:
+            os.environ[var] = before
         rows.append((f"{n} x {length}, budget {budget}", n * length, times))
-        print(f"{rows[-1][0]}: expanded {times['expanded'] * 1e3:.1f} ms, reference {times['reference'] * 1e3:.1f} ms",
-              flush=True)  # fmt: skip
-    print(f"\n{'prompts':<28} {'expanded tok/s':>15} {'reference tok/s':>16} {'ratio':>6}")
+        print(f"{rows[-1][0]}: " + ", ".join(f"{var}={f} {times[f] * 1e3:.1f} ms" for f in forms), flush=True)
+    a, b = forms
+    print(f"\n{'prompts':<28} {a + ' tok/s':>15} {b + ' tok/s':>15} {'ratio':>6}")
     for name, tokens, t in rows:
-        print(f"{name:<28} {tokens / t['expanded']:15.0f} {tokens / t['reference']:16.0f} "
-              f"{t['reference'] / t['expanded']:6.2f}")  # fmt: skip
+        print(f"{name:<28} {tokens / t[a]:15.0f} {tokens / t[b]:15.0f} {t[b] / t[a]:6.2f}")
 
 
 if __name__ == "__main__":

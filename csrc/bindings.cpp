@@ -72,17 +72,17 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t cu_seqlens, int cu_seqlens_dtype, uintptr_t state, int64_t slot_stride, uintptr_t state_slots,
          uintptr_t out_slots, uintptr_t has_initial_state, uintptr_t out, uintptr_t workspace, int64_t total_tokens,
          int64_t num_seqs, int64_t heads, int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype,
-         uintptr_t stream) {
+         int scan, uintptr_t stream) {
         check(atom::kda_prefill(q, q_st, k, k_st, v, v_st, g, beta, cu_seqlens, cu_seqlens_dtype, state, slot_stride,
                                 state_slots, out_slots, has_initial_state, out, workspace, total_tokens, num_seqs,
-                                heads, key_dim, value_dim, scale, eps, dtype, stream));
+                                heads, key_dim, value_dim, scale, eps, dtype, scan, stream));
       },
       "KDA prefill (chunked) over varlen packed sequences, state in the fp32 slot pool (see csrc/ops.h)",
       py::arg("q"), py::arg("q_st"), py::arg("k"), py::arg("k_st"), py::arg("v"), py::arg("v_st"), py::arg("g"),
       py::arg("beta"), py::arg("cu_seqlens"), py::arg("cu_seqlens_dtype"), py::arg("state"), py::arg("slot_stride"),
       py::arg("state_slots"), py::arg("out_slots"), py::arg("has_initial_state"), py::arg("out"),
       py::arg("workspace"), py::arg("total_tokens"), py::arg("num_seqs"), py::arg("heads"), py::arg("key_dim"),
-      py::arg("value_dim"), py::arg("scale"), py::arg("eps"), py::arg("dtype"), py::arg("stream"));
+      py::arg("value_dim"), py::arg("scale"), py::arg("eps"), py::arg("dtype"), py::arg("scan"), py::arg("stream"));
 
   m.def("kda_prefill_workspace_floats", &atom::kda_prefill_workspace_floats,
         "fp32 elements of kda_prefill's workspace for (total_tokens, num_seqs, heads)", py::arg("total_tokens"),

@@ -19,15 +19,19 @@
 //   1. kda_prefill_chunk_kernel, one block per (chunk, head), all chunks in
 //      parallel: the V-independent part (norm factors, Tb, P) into a scratch
 //      buffer.
-//   2. kda_prefill_scan_kernel, one block per (sequence, head, V tile): walks
-//      the sequence's chunks in order carrying S [K, VT] in registers. Each
-//      chunk's inputs are loaded into registers while the chunk before is
-//      worked on, and independent sums (four tokens in stage 2, a thread's
-//      elements in stage 3) are interleaved: with one block of 4 warps per SM
-//      nothing else hides the latency (1.3-2.2x faster, same results to the
-//      bit: GPU_NOTES.md, session 10).
+//   2. the scan, one block per (sequence, head, V tile): walks the sequence's
+//      chunks in order carrying S in registers, each chunk's inputs loaded
+//      while the chunk before is worked on. Two forms:
+//      - kda_prefill_scan_tc_kernel (below, sm_80+): the products on tensor
+//        cores, tf32 operands, fp32 accumulation and state; bf16/fp16's
+//        default (2.7-3.2x the fp32 form on an H200: GPU_NOTES.md, session 18);
+//      - kda_prefill_scan_kernel: fp32 throughout on CUDA cores, S [K, VT];
+//        independent sums (four tokens in stage 2, a thread's elements in
+//        stage 3) are interleaved: with one block of 4 warps per SM nothing
+//        else hides the latency (1.3-2.2x faster, same results to the bit:
+//        GPU_NOTES.md, session 10).
 //
-// Kernel 2's threads, for a V tile of VT columns and RG row groups:
+// kda_prefill_scan_kernel's threads, for a V tile of VT columns and RG row groups:
 //
 //   thread = rg + RG * cp      cp: column pair (2 columns, float2)
 //                              rg: rows 4 * (rg + RG * m) .. + 3, m < K / (4 RG)
@@ -40,6 +44,11 @@
 // sequence n is cu[n] / C + n + i. Ids are distinct across sequences and
 // below T / C + N, so the scratch size needs no host sync.
 #include "kernel_common.h"
+
+#if !defined(__HIPCC__) && !defined(USE_ROCM)
+#define ATOM_KDA_SCAN_TC 1
+#include "mma_sm80.h"
+#endif
 
 namespace atom {
 namespace {
@@ -319,7 +328,7 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
         if (t < len && c < K) acc += in.g[t];
         cum[t] = acc;
       }
-      decay_last[c] = expf(acc);
+      decay_last[c] = __expf(acc);
 #pragma unroll
       for (int t = 0; t < kChunk; ++t) {
         float kv = 0.f, qv = 0.f;
@@ -444,6 +453,297 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
   }
 }
 
+#if defined(ATOM_KDA_SCAN_TC)
+// ---- The scan on tensor cores (sm_80+; bf16/fp16 inputs by default): the same chunk recurrence as
+// kda_prefill_scan_kernel, its products as mma.sync m16n8k8 with tf32 operands and fp32 accumulation, so a
+// chunk costs ~100 MMAs a warp instead of ~1700 FMAs a thread. Operands are rounded to tf32 (10-bit
+// mantissa); the state stays fp32 between chunks. Everything runs transposed, value columns as M:
+//
+//   X^T = S^T kg^T,  Y^T = S^T qg^T      [16 v x 16 tokens], sums over the K keys
+//   U^T = (V^T - X^T) Tb^T                [16 v x 16 tokens]
+//   O^T = Y^T + U^T P^T
+//   S^T = S^T diag(exp(G_last)) + U^T kd  [16 v x K keys]
+//
+// Warp w owns value columns v0 = tile + 16 w .. + 15 of S^T, all K keys, as K / 8 accumulator tiles, and
+// every product above is the warp's own: the block shares only a chunk's kg, qg, kd, Tb and P. A
+// product's accumulator feeds the next product as its A operand in registers: an accumulator tile holds
+// columns (2t, 2t+1) where an A tile holds (t, t+4), so the reduction index runs permuted (logical k = t
+// is column 2t, k = t + 4 is 2t + 1) and the B operand is read in the same order, as one float2.
+template <typename T, int KP, int W>
+struct TcChunkInputs {  // a chunk's inputs, loaded during the chunk before (as ChunkInputs)
+  static constexpr int kThreads = 32 * W, kCols = (KP + kThreads - 1) / kThreads, kMats = kMatFloats / kThreads;
+  static_assert(kMatFloats % kThreads == 0 && 2 * kChunk <= kThreads, "whole elements per thread");
+  // key columns tid + i * kThreads (g, k, q of every token); elements tid + i * kThreads of Tb | P; this
+  // lane's v at its accumulator positions (tokens 8 nt + 2 t (+1), columns v0 + g (+8)); norm factor tid.
+  // Raw values, converted where they are used: a conversion here would wait for its load at once (ncu
+  // showed most of the scan's stalls on those conversions). Tokens past len and columns past K or V load
+  // the last valid one's (no load is predicated, so none is waited for to pick a zero); their users mask
+  // them or multiply them by zeros.
+  float mats[kMats], nf, g[kCols][kChunk];
+  T v[2][4], k[kCols][kChunk], q[kCols][kChunk];
+
+  __device__ __forceinline__ void load(const PrefillParams& p, int h, int v0, int64_t t0, int64_t id, int len) {
+    const int tid = threadIdx.x, lane = tid % 32, K = p.key_dim, V = p.value_dim, H = p.heads;
+    const float* src = p.mats + (id * H + h) * kMatFloats;
+#pragma unroll
+    for (int i = 0; i < kMats; ++i) mats[i] = src[tid + i * kThreads];
+    const int nt_tok = min(tid % (2 * kChunk) / 2, len - 1);
+    nf = p.norms[((t0 + nt_tok) * H + h) * 2 + tid % 2];
+    const int vs = static_cast<int>(p.v_st), ks = static_cast<int>(p.k_st), qs = static_cast<int>(p.q_st);
+    const T* vp = static_cast<const T*>(p.v) + t0 * p.v_st + static_cast<int64_t>(h) * V;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = min(8 * nt + 2 * (lane % 4) + (i & 1), len - 1), c = min(v0 + lane / 4 + 8 * (i >> 1), V - 1);
+        v[nt][i] = vp[t * vs + c];
+      }
+    }
+#pragma unroll
+    for (int ci = 0; ci < kCols; ++ci) {
+      const int c = min(tid + ci * kThreads, K - 1);
+      const float* gp = p.g + (t0 * H + h) * K + c;
+      const T* kp = static_cast<const T*>(p.k) + t0 * p.k_st + static_cast<int64_t>(h) * K + c;
+      const T* qp = static_cast<const T*>(p.q) + t0 * p.q_st + static_cast<int64_t>(h) * K + c;
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) {
+        const int tt = min(t, len - 1);
+        g[ci][t] = gp[tt * H * K];
+        k[ci][t] = kp[tt * ks];
+        q[ci][t] = qp[tt * qs];
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(ptx::tf32_bits(x)); }
+
+// The A operand of a product over tokens 8 ks .. 8 ks + 7 (or keys 8 j ..) from an accumulator tile c.
+__device__ __forceinline__ void acc_as_a(uint32_t (&a)[4], const float (&c)[4]) {
+  a[0] = ptx::tf32_bits(c[0]);
+  a[1] = ptx::tf32_bits(c[2]);
+  a[2] = ptx::tf32_bits(c[1]);
+  a[3] = ptx::tf32_bits(c[3]);
+}
+
+constexpr int kTcWarps = 4;
+
+// grid (N, H, ceil(V / VT)), block 4 warps; VT = 64 / KS. KP: key_dim rounded up (64 or 128). KS = 2 splits
+// the keys over warp pairs (twice the blocks, for few sequences): warp w owns value columns 16 (w % 2) ..
+// and key tiles of half w / 2, and the pair adds its partial X^T, Y^T through shared memory.
+template <typename T, int KP, int KS>
+__global__ void __launch_bounds__(32 * kTcWarps) kda_prefill_scan_tc_kernel(PrefillParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int W = kTcWarps, kThreads = 32 * W, kGroups = W / KS, VT = 16 * kGroups, kN = KP / 8 / KS;
+  // row strides, so that a warp's reads hit distinct banks: float2 reads of 8 rows x 4 pairs (kg, qg, tb, pm),
+  // scalar reads of 4 rows x 8 columns (kd)
+  constexpr int kRow = KP + 8, kTok = kChunk + 8, kRowD = KP + 4;
+  __shared__ __align__(16) float kg[kChunk][kRow];  // k * exp(G), tf32
+  __shared__ __align__(16) float qg[kChunk][kRow];  // q * exp(G), tf32
+  __shared__ __align__(16) float kd[kChunk][kRowD];  // k * exp(G_last - G), tf32
+  __shared__ __align__(16) float tb[kChunk][kTok], pm[kChunk][kTok];  // tf32
+  __shared__ __align__(16) float decay_last[KP];    // exp(G_last), fp32
+  __shared__ float nf[kChunk][2];
+  __shared__ float partial[KS > 1 ? W : 1][16][32];  // KS = 2: each warp's X^T, Y^T over its keys
+
+  const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid % 32, g8 = lane / 4, tq = lane % 4;
+  const int warp = tid / 32, j0 = warp / kGroups * kN;  // this warp's first key tile
+  const int tile = blockIdx.z * VT, v0 = tile + 16 * (warp % kGroups);
+  const int K = p.key_dim, V = p.value_dim, H = p.heads;
+  const int64_t start = seq_start(p, n), end = seq_start(p, n + 1);
+  T* out = static_cast<T*>(p.out);
+  const int64_t slot = p.in_slots[n];
+  if (slot < 0) {  // padding sequence: zero output, no state touched
+    for (int64_t i = tid; i < (end - start) * VT; i += kThreads) {
+      const int64_t tok = start + i / VT;
+      const int c = tile + static_cast<int>(i % VT);
+      if (c < V) out[(tok * H + h) * V + c] = from_float<T>(0.f);
+    }
+    return;
+  }
+  const bool init = p.has_initial_state == nullptr || p.has_initial_state[n] != 0;
+  const int64_t head_offset = static_cast<int64_t>(h) * K * V;
+  // s[j] = S^T at value columns v0 + g8 (+8 for elements 2, 3) and keys 8 (j0 + j) + 2 tq (+1 for elements 1, 3)
+  auto key_of = [&](int j, int i) { return 8 * (j0 + j) + 2 * tq + (i & 1); };
+  auto col_of = [&](int i) { return v0 + g8 + 8 * (i >> 1); };
+  float s[kN][4];
+  {
+    const float* src = p.state + slot * p.slot_stride + head_offset;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        s[j][i] = init && key_of(j, i) < K && col_of(i) < V ? src[key_of(j, i) * V + col_of(i)] : 0.f;
+    }
+  }
+
+  const int64_t base_id = chunk_base(p, n);
+  auto chunk_len = [&](int64_t t0) { return static_cast<int>(end - t0 < kChunk ? end - t0 : kChunk); };
+  TcChunkInputs<T, KP, kTcWarps> in;
+  if (start < end) in.load(p, h, v0, start, base_id, chunk_len(start));
+  for (int64_t t0 = start, id = base_id; t0 < end; t0 += kChunk, ++id) {
+    const int len = chunk_len(t0);
+    // ---- stage 1: the chunk's shared operands (Tb and P are zero past len: kda_prefill_chunk_kernel)
+    if (tid < 2 * kChunk) nf[tid / 2][tid % 2] = in.nf;
+#pragma unroll
+    for (int i = 0; i < in.kMats; ++i) {
+      const int e = tid + i * kThreads, at = e % (kChunk * kChunk);
+      if (e < kChunk * kChunk) tb[at / kChunk][at % kChunk] = tf32_round(in.mats[i]);
+      else pm[at / kChunk][at % kChunk] = tf32_round(in.mats[i]);
+    }
+    float v[2][4];  // V^T's accumulator tiles; past len, whatever Tb's zero columns multiply
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[nt][i] = to_float(in.v[nt][i]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int ci = 0; ci < in.kCols; ++ci) {
+      const int c = tid + ci * kThreads;
+      if (c >= KP) continue;
+      float cum[kChunk];
+      float acc = 0.f;
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) {
+        if (t < len && c < K) acc += in.g[ci][t];
+        cum[t] = acc;
+      }
+      decay_last[c] = __expf(acc);
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) {
+        float kv = 0.f, qv = 0.f;
+        if (t < len && c < K) {
+          kv = to_float(in.k[ci][t]) * nf[t][1];
+          qv = to_float(in.q[ci][t]) * nf[t][0];
+        }
+        const float e = __expf(cum[t]);  // each exponent <= 0; __expf's error is far below tf32's rounding
+        kg[t][c] = tf32_round(kv * e);
+        qg[t][c] = tf32_round(qv * e);
+        kd[t][c] = tf32_round(kv * __expf(acc - cum[t]));
+      }
+    }
+    // the next chunk's inputs, in flight during this one's products
+    if (t0 + kChunk < end) in.load(p, h, v0, t0 + kChunk, id + 1, chunk_len(t0 + kChunk));
+    __syncthreads();
+
+    // ---- stage 2: X^T and Y^T, each as two accumulator chains (even and odd key tiles)
+    float x[2][2][4] = {}, y[2][2][4] = {};  // [chain][token tile][element]
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      uint32_t a[4];
+      acc_as_a(a, s[j]);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float2 kb = *reinterpret_cast<const float2*>(&kg[8 * nt + g8][8 * (j0 + j) + 2 * tq]);
+        const float2 qb = *reinterpret_cast<const float2*>(&qg[8 * nt + g8][8 * (j0 + j) + 2 * tq]);
+        ptx::mma_tf32_1688(x[j % 2][nt], a, __float_as_uint(kb.x), __float_as_uint(kb.y));
+        ptx::mma_tf32_1688(y[j % 2][nt], a, __float_as_uint(qb.x), __float_as_uint(qb.y));
+      }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        x[0][nt][i] += x[1][nt][i];
+        y[0][nt][i] += y[1][nt][i];
+      }
+    }
+    if constexpr (KS > 1) {  // add the other key half's sums, from the warp of the same value columns
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        partial[warp][e][lane] = x[0][e / 4][e % 4];
+        partial[warp][8 + e][lane] = y[0][e / 4][e % 4];
+      }
+      __syncthreads();
+      const int other = warp ^ kGroups;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        x[0][e / 4][e % 4] += partial[other][e][lane];
+        y[0][e / 4][e % 4] += partial[other][8 + e][lane];
+      }
+    }
+
+    // ---- stage 3: U^T = (V^T - X^T) Tb^T; O^T = Y^T + U^T P^T; S^T = S^T exp(G_last) + U^T kd. With KS = 2
+    // both warps of a pair compute U^T and O^T (a few MMAs); the first stores O.
+    float u[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks) {  // tokens 8 ks .. 8 ks + 7
+      float w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = v[ks][i] - x[0][ks][i];
+      uint32_t a[4];
+      acc_as_a(a, w);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float2 b = *reinterpret_cast<const float2*>(&tb[8 * nt + g8][8 * ks + 2 * tq]);
+        ptx::mma_tf32_1688(u[nt], a, __float_as_uint(b.x), __float_as_uint(b.y));
+      }
+    }
+    uint32_t ua[2][4];
+    acc_as_a(ua[0], u[0]);
+    acc_as_a(ua[1], u[1]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = y[0][nt][i];
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const float2 b = *reinterpret_cast<const float2*>(&pm[8 * nt + g8][8 * ks + 2 * tq]);
+        ptx::mma_tf32_1688(o, ua[ks], __float_as_uint(b.x), __float_as_uint(b.y));
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int t = 8 * nt + 2 * tq + (i & 1), c = col_of(i);
+        if (j0 == 0 && t < len && c < V) out[((t0 + t) * H + h) * V + c] = from_float<T>(o[i]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      const float2 d = *reinterpret_cast<const float2*>(&decay_last[8 * (j0 + j) + 2 * tq]);
+      s[j][0] *= d.x;
+      s[j][1] *= d.y;
+      s[j][2] *= d.x;
+      s[j][3] *= d.y;
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const float* b = &kd[8 * ks + 2 * tq][8 * (j0 + j) + g8];
+        ptx::mma_tf32_1688(s[j], ua[ks], __float_as_uint(b[0]), __float_as_uint(b[kRowD]));
+      }
+    }
+    __syncthreads();  // the next chunk overwrites shared memory
+  }
+
+  float* dst = p.state + p.out_slots[n] * p.slot_stride + head_offset;
+#pragma unroll
+  for (int j = 0; j < kN; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (key_of(j, i) < K && col_of(i) < V) dst[key_of(j, i) * V + col_of(i)] = s[j][i];
+  }
+#else
+  __trap();  // launched only where the device has compute capability >= 8.0
+#endif
+}
+
+template <typename T, int KP, int KS>
+const char* launch_scan_tc(const PrefillParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads),
+                  static_cast<unsigned>(ceil_div(p.value_dim, 16 * kTcWarps / KS)));
+  kda_prefill_scan_tc_kernel<T, KP, KS><<<grid, 32 * kTcWarps, 0, stream>>>(p);
+  return last_launch_error();
+}
+
+// Keys split over warp pairs (32 value columns a block) where 64 columns a block would leave SMs idle.
+template <typename T, int KP>
+const char* launch_scan_tc_tiled(const PrefillParams& p, cudaStream_t stream, int sms) {
+  const int64_t wide_blocks = static_cast<int64_t>(p.num_seqs) * p.heads * ceil_div(p.value_dim, 16 * kTcWarps);
+  return wide_blocks >= sms ? launch_scan_tc<T, KP, 1>(p, stream) : launch_scan_tc<T, KP, 2>(p, stream);
+}
+#endif  // ATOM_KDA_SCAN_TC
+
 template <typename T, int KP, int VT, int RG>
 const char* launch_scan(const PrefillParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.heads),
@@ -454,11 +754,7 @@ const char* launch_scan(const PrefillParams& p, cudaStream_t stream) {
 
 // V tile: 64 columns where that still gives two blocks per SM, else 32 (one long sequence).
 template <typename T, int KP>
-const char* launch_scan_tiled(const PrefillParams& p, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return last_launch_error();
+const char* launch_scan_tiled(const PrefillParams& p, cudaStream_t stream, int sms) {
   const int64_t wide_blocks = static_cast<int64_t>(p.num_seqs) * p.heads * ceil_div(p.value_dim, 64);
   if (wide_blocks >= 2 * static_cast<int64_t>(sms)) return launch_scan<T, KP, 64, 4>(p, stream);
   return launch_scan<T, KP, 32, 8>(p, stream);
@@ -470,13 +766,33 @@ const char* kda_prefill(uintptr_t q, int64_t q_st, uintptr_t k, int64_t k_st, ui
                         uintptr_t beta, uintptr_t cu_seqlens, int cu_seqlens_dtype, uintptr_t state,
                         int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, uintptr_t has_initial_state,
                         uintptr_t out, uintptr_t workspace, int64_t total_tokens, int64_t num_seqs, int64_t heads,
-                        int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream) {
+                        int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, int scan,
+                        uintptr_t stream) {
   if (total_tokens < 0 || num_seqs < 0 || heads < 1 || key_dim < 1 || value_dim < 1)
     return "kda_prefill: needs total_tokens, num_seqs >= 0 and heads, key_dim, value_dim >= 1";
   if (key_dim > kMaxKeyDim) return "kda_prefill: key_dim must be <= 128";
   if (heads > 65535 || num_seqs > INT32_MAX || total_tokens > INT32_MAX)
     return "kda_prefill: heads must be <= 65535 and tokens, sequences < 2^31";
   if (cu_seqlens_dtype != kInt32 && cu_seqlens_dtype != kInt64) return "kda_prefill: cu_seqlens must be int32 or int64";
+  if (q_st < 0 || k_st < 0 || v_st < 0 || q_st > INT32_MAX / kChunk || k_st > INT32_MAX / kChunk ||
+      v_st > INT32_MAX / kChunk)
+    return "kda_prefill: token strides must be >= 0 and below 2^27";
+  if (scan < kScanAuto || scan > kScanTf32) return "kda_prefill: scan must be one of the kScan* codes";
+  const char* tc_error = nullptr;  // why the tensor-core scan cannot run here, if it cannot
+  int device = 0, major = 0, sms = 0;
+  (void)major;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return last_launch_error();
+#if defined(ATOM_KDA_SCAN_TC)
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    return last_launch_error();
+  if (major < 8) tc_error = "kda_prefill: the tf32 scan needs a GPU of compute capability >= 8.0";
+#else
+  tc_error = "kda_prefill: the tf32 scan needs an NVIDIA GPU (mma.sync); use the fp32 scan";
+#endif
+  if (scan == kScanAuto) scan = dtype != kFloat32 && tc_error == nullptr ? kScanTf32 : kScanFp32;
+  if (scan != kScanFp32 && tc_error != nullptr) return tc_error;
   if (num_seqs == 0) return nullptr;
   const int64_t num_ids = kda_prefill_num_chunk_ids(total_tokens, num_seqs);
   float* ws = reinterpret_cast<float*>(workspace);
@@ -511,8 +827,14 @@ const char* kda_prefill(uintptr_t q, int64_t q_st, uintptr_t k, int64_t k_st, ui
                                            st>>>(p);
       if (const char* err = last_launch_error()) return err;
     }
-    if (key_dim <= 64) return launch_scan_tiled<scalar_t, 64>(p, st);
-    return launch_scan_tiled<scalar_t, 128>(p, st);
+#if defined(ATOM_KDA_SCAN_TC)
+    if (scan != kScanFp32) {
+      if (key_dim <= 64) return launch_scan_tc_tiled<scalar_t, 64>(p, st, sms);
+      return launch_scan_tc_tiled<scalar_t, 128>(p, st, sms);
+    }
+#endif
+    if (key_dim <= 64) return launch_scan_tiled<scalar_t, 64>(p, st, sms);
+    return launch_scan_tiled<scalar_t, 128>(p, st, sms);
   });
 }
 

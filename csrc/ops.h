@@ -71,12 +71,17 @@ const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int
 // state_slots[n] (int64) and writes its final state to out_slots[n] (may be
 // the same array); state_slots[n] < 0: zero output, no state touched.
 // workspace: kda_prefill_workspace_floats(T, N, heads) fp32 scratch.
-// key_dim <= 128; any value_dim.
+// key_dim <= 128; any value_dim. `scan` picks the chunk scan: kScanFp32 (CUDA
+// cores, fp32 throughout), kScanTf32 (tensor cores, tf32 operands, fp32
+// accumulation and state; NVIDIA, compute capability >= 8.0), or kScanAuto
+// (tf32 for bf16/fp16 inputs where it runs, else fp32).
+enum KdaScan : int { kScanAuto = 0, kScanFp32 = 1, kScanTf32 = 2 };
 const char* kda_prefill(uintptr_t q, int64_t q_st, uintptr_t k, int64_t k_st, uintptr_t v, int64_t v_st, uintptr_t g,
                         uintptr_t beta, uintptr_t cu_seqlens, int cu_seqlens_dtype, uintptr_t state,
                         int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, uintptr_t has_initial_state,
                         uintptr_t out, uintptr_t workspace, int64_t total_tokens, int64_t num_seqs, int64_t heads,
-                        int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream);
+                        int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype, int scan,
+                        uintptr_t stream);
 
 // Chunks the scratch has room for (chunk i of sequence n is number cu_seqlens[n] / 16 + n + i).
 int64_t kda_prefill_num_chunk_ids(int64_t total_tokens, int64_t num_seqs);

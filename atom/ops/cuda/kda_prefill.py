@@ -2,21 +2,21 @@
 
 Two implementations of the same contract (``kda_prefill``):
 
-    atom   csrc/kda_prefill.cu: chunked (WY) form, CUDA cores, fp32 inside
+    atom   csrc/kda_prefill.cu: chunked (WY) form; its chunk scan on tensor cores (tf32 operands, fp32
+           accumulation and state) or on CUDA cores (fp32 throughout), ``ATOM_KDA_SCAN``
     fla    flash-linear-attention's Triton ``chunk_kda``, where ``fla`` is importable
 
-``ATOM_KDA_PREFILL=auto|atom|fla`` picks one (default ``auto``). fla's
-definitions match ours (g: per-channel log-decay; beta: after the sigmoid;
-q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by K^-0.5; state
-[K, V] fp32), so only the slot gather/scatter is ours on that path. ``auto``
-takes fla for bf16/fp16 inputs at the head size it was measured at (K = V =
-128, Kimi-Linear's) where it is importable (``AUTO_PICKS_FLA``: it measured
-1.7-2.1x faster than ours on an H200) and ours otherwise (Triton autotunes
-fla's kernels afresh for every head size, which took minutes per shape); fp32
-inputs always take ours, which meets the 1e-5 fp32 tolerance (fla's Triton
-matmuls round to bf16/tf32: 4.4e-3 from ours on bf16 inputs). The fla path
-gathers/scatters the slots around ``chunk_kda`` and does not take padding
-sequences (slot < 0).
+``ATOM_KDA_PREFILL=auto|atom|fla`` picks one (default ``auto``: ours). On an
+H200, bf16, H = 32, K = V = 128, ours with the tf32 scan took 1.67-1.88 ms for
+8 x 2048, 1 x 8192 and 32 x 512 tokens against fla 0.6.0's 2.13-2.63 ms in the
+same run, and was closer to the fp32 result (output 1.3e-3 from the fp32 scan,
+fla 4.4e-3; GPU_NOTES.md, session 18). ``ATOM_KDA_SCAN=auto|tf32|fp32`` picks
+our scan: ``auto`` takes tf32 for bf16/fp16 inputs on NVIDIA GPUs of compute
+capability >= 8.0 and fp32 otherwise, so fp32 inputs meet the 1e-5 fp32
+tolerance. fla's definitions match ours (g: per-channel log-decay; beta: after
+the sigmoid; q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by
+K^-0.5; state [K, V] fp32), so only the slot gather/scatter is ours on that
+path; it does not take padding sequences (slot < 0).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from atom.ops.cuda.kda import (check_slots_contiguous, check_state_pool, output_
 from atom.ops.cuda.reference import kda_prefill_ref
 
 BACKENDS = ("auto", "atom", "fla")
-# H200, bf16, H=32, K=V=128 (GPU_NOTES.md, session 10, bench/kernels_gpu.py --only kda_prefill): fla 2.4 / 3.2 /
-# 2.7 ms vs ours 5.0 / 5.3 / 5.1 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens: fla is 1.7-2.1x faster.
-AUTO_PICKS_FLA = True
-FLA_HEAD_DIMS = (128, 128)  # (K, V) where that was measured
+# The atom path's chunk scan (csrc/ops.h, KdaScan): fp32 on CUDA cores, or tf32 operands on tensor cores with
+# fp32 accumulation and state (NVIDIA, compute capability >= 8.0). 'auto' takes tf32 for bf16/fp16 inputs where
+# it runs, fp32 otherwise. ``ATOM_KDA_SCAN`` sets the default.
+SCANS = {"auto": 0, "fp32": 1, "tf32": 2}
+FLA_HEAD_DIMS = (128, 128)  # (K, V) where fla was measured (Triton autotunes its kernels afresh per head size)
 
 
 @functools.cache
@@ -51,18 +52,15 @@ def fla_available() -> bool:
     return True
 
 
-def prefill_backend(dtype: torch.dtype, key_dim: int = 128, value_dim: int = 128) -> str:
-    """'atom' or 'fla': which implementation ``kda_prefill`` runs for inputs of ``dtype`` and head size K x V."""
+def prefill_backend() -> str:
+    """'atom' or 'fla': which implementation ``kda_prefill`` runs (``ATOM_KDA_PREFILL``; 'auto' is ours)."""
     choice = os.environ.get("ATOM_KDA_PREFILL", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"ATOM_KDA_PREFILL must be one of {', '.join(BACKENDS)}, got {choice!r}")
     if choice == "fla" and not fla_available():
         raise RuntimeError("ATOM_KDA_PREFILL=fla needs flash-linear-attention (`pip install flash-linear-attention`); "
                            "or set ATOM_KDA_PREFILL=atom")
-    if choice == "auto":
-        takes_fla = dtype != torch.float32 and (key_dim, value_dim) == FLA_HEAD_DIMS
-        return "fla" if AUTO_PICKS_FLA and takes_fla and fla_available() else "atom"
-    return choice
+    return "atom" if choice == "auto" else choice
 
 
 def kda_prefill(
@@ -80,6 +78,7 @@ def kda_prefill(
     scale: float | None = None,
     eps: float = 1e-6,
     backend: str | None = None,
+    scan: str | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KDA over the packed tokens of N sequences, each from its slot's state; writes each final state back.
@@ -93,7 +92,8 @@ def kda_prefill(
     defaults to in); has_initial_state bool [N] (False: start from zeros).
     state_slots[n] < 0 (a padding sequence: zero output, no state touched)
     only on the atom path. ``backend``: 'atom' or 'fla' overrides
-    ``ATOM_KDA_PREFILL``. Returns o [T, H, V] in v's dtype, written into ``out``
+    ``ATOM_KDA_PREFILL``; ``scan`` (a ``SCANS`` name) overrides ``ATOM_KDA_SCAN``
+    on the atom path. Returns o [T, H, V] in v's dtype, written into ``out``
     if given (contiguous).
     """
     tokens, heads, key_dim = q.shape
@@ -105,13 +105,16 @@ def kda_prefill(
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}"
         )
     check_state_pool("kda_prefill", state_pool, heads, key_dim, value_dim)
+    scan = scan or os.environ.get("ATOM_KDA_SCAN", "auto")
+    if scan not in SCANS:
+        raise ValueError(f"kda_prefill: scan (ATOM_KDA_SCAN) must be one of {', '.join(SCANS)}, got {scan!r}")
     scale = key_dim**-0.5 if scale is None else scale
     if not kernels_apply(q, k, v, g, beta, cu_seqlens, state_pool, state_slots) or key_dim > 128:
         ref = kda_prefill_ref(q, k, v, g, beta, cu_seqlens, state_pool, state_slots, out_slots, has_initial_state,
                               scale, eps)  # fmt: skip
         return ref if out is None else out.copy_(ref)
     ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, num_seqs, v.device)
-    if (backend or prefill_backend(v.dtype, key_dim, value_dim)) == "fla" and eps == 1e-6:
+    if (backend or prefill_backend()) == "fla" and eps == 1e-6:
         o = _fla_prefill(q, k, v, g, beta, cu_seqlens, state_pool, ins, outs, has_initial_state, scale)
         return o if out is None else out.copy_(o)
 
@@ -130,7 +133,7 @@ def kda_prefill(
             beta.data_ptr(), cu.data_ptr(), dtype_code(cu.dtype), state_pool.data_ptr(), state_pool.stride(0),
             ins.data_ptr(), outs.data_ptr(), init.data_ptr() if init is not None else 0, result.data_ptr(),
             workspace.data_ptr(), tokens, num_seqs, heads, key_dim, value_dim, float(scale), float(eps),
-            dtype_code(dtype), stream_of(v.device),
+            dtype_code(dtype), SCANS[scan], stream_of(v.device),
         )  # fmt: skip
     return out if out is not None else result
 
