@@ -43,6 +43,8 @@
 // Chunk ids (where a chunk's Tb and P live in the scratch): chunk i of
 // sequence n is cu[n] / C + n + i. Ids are distinct across sequences and
 // below T / C + N, so the scratch size needs no host sync.
+#include <type_traits>
+
 #include "kernel_common.h"
 
 #if !defined(__HIPCC__) && !defined(USE_ROCM)
@@ -83,6 +85,15 @@ __device__ __forceinline__ int64_t seq_start(const PrefillParams& p, int n) {
 }
 
 __device__ __forceinline__ int64_t chunk_base(const PrefillParams& p, int n) { return seq_start(p, n) / kChunk + n; }
+
+// exp(x) for x <= 0 in the intra-chunk sums: expf for fp32 inputs (the fp32 scan keeps fp32 throughout), the
+// hardware approximation for bf16/fp16 (their scan rounds operands to tf32, far coarser than its error; the
+// chunk kernel is bound by these exps).
+template <typename T>
+__device__ __forceinline__ float pair_exp(float x) {
+  if constexpr (std::is_same_v<T, float>) return expf(x);
+  else return __expf(x);
+}
 
 // grid (T / C + N, H), block 128 (4 warps).
 template <typename T>
@@ -169,7 +180,7 @@ __global__ void __launch_bounds__(128) kda_prefill_chunk_kernel(PrefillParams p)
       for (int m = 0; m < kSlices; ++m) {
         const int c = lane + m * kGroup;
         if (c < K) {
-          const float kj = kn[j][c] * expf(gt[m] - cum[j][c]);
+          const float kj = kn[j][c] * pair_exp<T>(gt[m] - cum[j][c]);
           a = fmaf(kt[m], kj, a);
           s = fmaf(qt[m], kj, s);
         }
@@ -328,7 +339,7 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
         if (t < len && c < K) acc += in.g[t];
         cum[t] = acc;
       }
-      decay_last[c] = __expf(acc);
+      decay_last[c] = expf(acc);
 #pragma unroll
       for (int t = 0; t < kChunk; ++t) {
         float kv = 0.f, qv = 0.f;
@@ -489,7 +500,7 @@ struct TcChunkInputs {  // a chunk's inputs, loaded during the chunk before (as 
     for (int i = 0; i < kMats; ++i) mats[i] = src[tid + i * kThreads];
     const int nt_tok = min(tid % (2 * kChunk) / 2, len - 1);
     nf = p.norms[((t0 + nt_tok) * H + h) * 2 + tid % 2];
-    const int vs = static_cast<int>(p.v_st), ks = static_cast<int>(p.k_st), qs = static_cast<int>(p.q_st);
+    const int vs = static_cast<int>(p.v_st), ks = static_cast<int>(p.k_st);
     const T* vp = static_cast<const T*>(p.v) + t0 * p.v_st + static_cast<int64_t>(h) * V;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -504,14 +515,25 @@ struct TcChunkInputs {  // a chunk's inputs, loaded during the chunk before (as 
       const int c = min(tid + ci * kThreads, K - 1);
       const float* gp = p.g + (t0 * H + h) * K + c;
       const T* kp = static_cast<const T*>(p.k) + t0 * p.k_st + static_cast<int64_t>(h) * K + c;
-      const T* qp = static_cast<const T*>(p.q) + t0 * p.q_st + static_cast<int64_t>(h) * K + c;
 #pragma unroll
       for (int t = 0; t < kChunk; ++t) {
         const int tt = min(t, len - 1);
         g[ci][t] = gp[tt * H * K];
         k[ci][t] = kp[tt * ks];
-        q[ci][t] = qp[tt * qs];
       }
+    }
+  }
+
+  // q, issued apart from the rest: 48 loads a thread at once filled the load queue (ncu: one load held 10% of
+  // the stall samples)
+  __device__ __forceinline__ void load_q(const PrefillParams& p, int h, int64_t t0, int len) {
+    const int K = p.key_dim, qs = static_cast<int>(p.q_st);
+#pragma unroll
+    for (int ci = 0; ci < kCols; ++ci) {
+      const int c = min(static_cast<int>(threadIdx.x) + ci * kThreads, K - 1);
+      const T* qp = static_cast<const T*>(p.q) + t0 * p.q_st + static_cast<int64_t>(h) * K + c;
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) q[ci][t] = qp[min(t, len - 1) * qs];
     }
   }
 };
@@ -580,7 +602,10 @@ __global__ void __launch_bounds__(32 * kTcWarps) kda_prefill_scan_tc_kernel(Pref
   const int64_t base_id = chunk_base(p, n);
   auto chunk_len = [&](int64_t t0) { return static_cast<int>(end - t0 < kChunk ? end - t0 : kChunk); };
   TcChunkInputs<T, KP, kTcWarps> in;
-  if (start < end) in.load(p, h, v0, start, base_id, chunk_len(start));
+  if (start < end) {
+    in.load(p, h, v0, start, base_id, chunk_len(start));
+    in.load_q(p, h, start, chunk_len(start));
+  }
   for (int64_t t0 = start, id = base_id; t0 < end; t0 += kChunk, ++id) {
     const int len = chunk_len(t0);
     // ---- stage 1: the chunk's shared operands (Tb and P are zero past len: kda_prefill_chunk_kernel)
@@ -623,8 +648,9 @@ __global__ void __launch_bounds__(32 * kTcWarps) kda_prefill_scan_tc_kernel(Pref
         kd[t][c] = tf32_round(kv * __expf(acc - cum[t]));
       }
     }
-    // the next chunk's inputs, in flight during this one's products
-    if (t0 + kChunk < end) in.load(p, h, v0, t0 + kChunk, id + 1, chunk_len(t0 + kChunk));
+    // the next chunk's inputs, in flight during this one's products (q after stage 2's)
+    const bool more = t0 + kChunk < end;
+    if (more) in.load(p, h, v0, t0 + kChunk, id + 1, chunk_len(t0 + kChunk));
     __syncthreads();
 
     // ---- stage 2: X^T and Y^T, each as two accumulator chains (even and odd key tiles)
@@ -642,6 +668,7 @@ __global__ void __launch_bounds__(32 * kTcWarps) kda_prefill_scan_tc_kernel(Pref
       }
     }
 
+    if (more) in.load_q(p, h, t0 + kChunk, chunk_len(t0 + kChunk));
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
