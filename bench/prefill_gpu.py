@@ -6,9 +6,10 @@ by default MLA prefills in the expanded form (the default) against the torch ref
     python bench/prefill_gpu.py --ckpt /tmp/atom_kimi_1p3b
     python bench/prefill_gpu.py --compare ATOM_KDA_SCAN=tf32,fp32   # KDA's chunk scan on tensor cores or not
 
-Each case times ``LLM.generate`` of one new token for its prompts (prefill, then one decode step),
-median of three after a warm-up, with prefix caching off; a token budget below the prompt length
-splits it into chunks, whose later ones attend to the earlier ones' cached rows. The model is
+Each case times ``LLM.generate`` of one new token for its prompts (prefill, then one decode step) on one
+engine, the two settings' runs alternating, median of three each after a warm-up, with prefix caching
+off; a token budget below the prompt length splits it into chunks, whose later ones attend to the
+earlier ones' cached rows. The model is
 bench/decode_gpu.py's random Kimi-Linear-shaped checkpoint (bf16, 2 MLA layers of 8); KDA prefills
 run our kernels unless ATOM_KDA_PREFILL says otherwise (printed).
 """
@@ -29,26 +30,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = [(1, 4000, 4096), (1, 4000, 1024), (8, 1000, 8192), (32, 250, 8192)]
 
 
-def prefill_seconds(path: str, prompts: list[list[int]], budget: int) -> float:
+def prefill_seconds(path: str, prompts: list[list[int]], budget: int, var: str, forms: tuple[str, ...]) -> dict:
+    """Seconds of one ``generate`` of ``prompts`` per setting of ``var``: one engine, warmed up in every
+    setting, then timed runs that alternate the settings (A B A B A B), median of three each. The switches
+    compared here are read at each forward, so one engine serves both, and the order of engines or runs
+    does not favour either setting."""
     from atom import LLM, SamplingParams
 
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=len(prompts), max_model_len=len(prompts[0]) + 8,
               max_num_batched_tokens=budget, enable_prefix_caching=False)  # fmt: skip
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
 
-    def run() -> float:
+    def run(form: str) -> float:
+        os.environ[var] = form
         torch.cuda.synchronize()
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    run()
-    seconds = sorted(run() for _ in range(3))[1]
+    before = os.environ.get(var)
+    for form in forms:
+        run(form)
+    times = {form: [] for form in forms}
+    for _ in range(3):
+        for form in forms:
+            times[form].append(run(form))
+    if before is None:
+        os.environ.pop(var)
+    else:
+        os.environ[var] = before
     assert llm.engine.all_resources_free()
     del llm
     torch.cuda.empty_cache()
-    return seconds
+    return {form: sorted(t)[1] for form, t in times.items()}
 
 
 def main() -> None:
@@ -76,15 +91,7 @@ def main() -> None:
     rows = []
     for n, length, budget in CASES:
         prompts = torch.randint(3, 32000, (n, length), generator=gen).tolist()
-        times = {}
-        before = os.environ.get(var)
-        for form in forms:
-            os.environ[var] = form
-            times[form] = prefill_seconds(args.ckpt, prompts, budget)
-        if before is None:
-            os.environ.pop(var)
-        else:
-            os.environ[var] = before
+        times = prefill_seconds(args.ckpt, prompts, budget, var, forms)
         rows.append((f"{n} x {length}, budget {budget}", n * length, times))
         print(f"{rows[-1][0]}: " + ", ".join(f"{var}={f} {times[f] * 1e3:.1f} ms" for f in forms), flush=True)
     a, b = forms

@@ -149,29 +149,38 @@ __global__ void __launch_bounds__(kThreads) conv1d_prefill_kernel(ConvPrefillPar
 #pragma unroll
   for (int w = 0; w < W; ++w) wt[w] = to_float(static_cast<const T*>(p.weight)[c * W + w]);
 
+  // every row's input first, as independent loads (one at a time, each row waited for its load)
+  T xs[kPrefillRows];
+#pragma unroll
+  for (int i = 0; i < kPrefillRows; ++i) xs[i] = x[min(t0 + i, t1 - 1) * p.x_stride];
   int b = seq_of_row(p.cu_seqlens, p.num_seqs, t0);
   int64_t end = p.cu_seqlens[b + 1];
+  bool padding = false;
   float win[W - 1];
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t == t0 || t == end) {  // a window for row t: its sequence's W-1 inputs before it
+  const int n = static_cast<int>(t1 - t0);
+#pragma unroll
+  for (int i = 0; i < kPrefillRows; ++i) {
+    if (i >= n) continue;
+    const int64_t t = t0 + i;
+    if (i == 0 || t == end) {  // a window for row t: its sequence's W-1 inputs before it
       while (p.cu_seqlens[b + 1] <= t) ++b;
       const int64_t first = p.cu_seqlens[b];
       end = p.cu_seqlens[b + 1];
-      const T* state_row = p.in_slots[b] >= 0 ? state_row_of<T, W>(p, b, c) : nullptr;
+      padding = p.in_slots[b] < 0;
+      const T* state_row = padding ? nullptr : state_row_of<T, W>(p, b, c);
       const T* x_first = x + first * p.x_stride;
 #pragma unroll
       for (int w = 0; w < W - 1; ++w) {
         win[w] = prefill_input<T, W>(x_first, p.x_stride, t - first - (W - 1) + w, state_row);
       }
     }
-    const float xt = to_float(x[t * p.x_stride]);
+    const float xt = to_float(xs[i]);
     float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < W - 1; ++w) acc = fmaf(wt[w], win[w], acc);
     acc = fmaf(wt[W - 1], xt, acc);
     const float y = round_to<T>(acc);
-    // a padding sequence (slot < 0) gets zeros
-    out[t * p.channels] = from_float<T>(p.in_slots[b] < 0 ? 0.f : y / (1.f + expf(-y)));
+    out[t * p.channels] = from_float<T>(padding ? 0.f : y / (1.f + expf(-y)));  // a padding sequence: zeros
 #pragma unroll
     for (int w = 0; w + 1 < W - 1; ++w) win[w] = win[w + 1];
     win[W - 2] = xt;
