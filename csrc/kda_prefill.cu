@@ -24,7 +24,8 @@
 //      while the chunk before is worked on. Two forms:
 //      - kda_prefill_scan_tc_kernel (below, sm_80+): the products on tensor
 //        cores, tf32 operands, fp32 accumulation and state; bf16/fp16's
-//        default (2.7-3.2x the fp32 form on an H200: GPU_NOTES.md, session 18);
+//        default (2.7-3.4x as fast as the fp32 form on an H200: GPU_NOTES.md,
+//        session 18);
 //      - kda_prefill_scan_kernel: fp32 throughout on CUDA cores, S [K, VT];
 //        independent sums (four tokens in stage 2, a thread's elements in
 //        stage 3) are interleaved: with one block of 4 warps per SM nothing

@@ -7,10 +7,10 @@ Two implementations of the same contract (``kda_prefill``):
     fla    flash-linear-attention's Triton ``chunk_kda``, where ``fla`` is importable
 
 ``ATOM_KDA_PREFILL=auto|atom|fla`` picks one (default ``auto``: ours). On an
-H200, bf16, H = 32, K = V = 128, ours with the tf32 scan took 1.67-1.88 ms for
-8 x 2048, 1 x 8192 and 32 x 512 tokens against fla 0.6.0's 2.13-2.63 ms in the
-same run, and was closer to the fp32 result (output 1.3e-3 from the fp32 scan,
-fla 4.4e-3; GPU_NOTES.md, session 18). ``ATOM_KDA_SCAN=auto|tf32|fp32`` picks
+H200, bf16, H = 32, K = V = 128, ours with the tf32 scan took 1.76, 1.56 and
+1.79 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens against fla 0.6.0's 3.03,
+1.78 and 2.51 ms in the same run, and was closer to the fp32 result (output
+1.3e-3 from the fp32 scan, fla 4.4e-3; GPU_NOTES.md, session 18). ``ATOM_KDA_SCAN=auto|tf32|fp32`` picks
 our scan: ``auto`` takes tf32 for bf16/fp16 inputs on NVIDIA GPUs of compute
 capability >= 8.0 and fp32 otherwise, so fp32 inputs meet the 1e-5 fp32
 tolerance. fla's definitions match ours (g: per-channel log-decay; beta: after
