@@ -213,6 +213,17 @@ __global__ void __launch_bounds__(128) kda_prefill_chunk_kernel(PrefillParams p)
   }
 }
 
+// A padding sequence's output rows (tokens start .. end) in this block's V tile: zeros.
+template <int VT, int kThreads, typename T>
+__device__ __forceinline__ void zero_output(const PrefillParams& p, T* out, int h, int tile, int64_t start,
+                                            int64_t end) {
+  for (int64_t i = threadIdx.x; i < (end - start) * VT; i += kThreads) {
+    const int64_t tok = start + i / VT;
+    const int c = tile + static_cast<int>(i % VT);
+    if (c < p.value_dim) out[(tok * p.heads + h) * p.value_dim + c] = from_float<T>(0.f);
+  }
+}
+
 // A chunk's inputs to the scan, in registers: loaded while the chunk before is worked on, so their
 // latency hides behind its stages 2 and 3 (one block of 4 warps per SM: nothing else would hide it).
 // Thread tid holds elements tid + i * kThreads of Tb | P and of the [C, VT] v tile (as stage 1 stores
@@ -286,11 +297,7 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
   T* out = static_cast<T*>(p.out);
   const int64_t slot = p.in_slots[n];
   if (slot < 0) {  // padding sequence: zero output, no state touched
-    for (int64_t i = threadIdx.x; i < (end - start) * VT; i += kThreads) {
-      const int64_t tok = start + i / VT;
-      const int c = tile + static_cast<int>(i % VT);
-      if (c < V) out[(tok * H + h) * V + c] = from_float<T>(0.f);
-    }
+    zero_output<VT, kThreads>(p, out, h, tile, start, end);
     return;
   }
   const bool init = p.has_initial_state == nullptr || p.has_initial_state[n] != 0;
@@ -577,11 +584,7 @@ __global__ void __launch_bounds__(32 * kTcWarps) kda_prefill_scan_tc_kernel(Pref
   T* out = static_cast<T*>(p.out);
   const int64_t slot = p.in_slots[n];
   if (slot < 0) {  // padding sequence: zero output, no state touched
-    for (int64_t i = tid; i < (end - start) * VT; i += kThreads) {
-      const int64_t tok = start + i / VT;
-      const int c = tile + static_cast<int>(i % VT);
-      if (c < V) out[(tok * H + h) * V + c] = from_float<T>(0.f);
-    }
+    zero_output<VT, kThreads>(p, out, h, tile, start, end);
     return;
   }
   const bool init = p.has_initial_state == nullptr || p.has_initial_state[n] != 0;
