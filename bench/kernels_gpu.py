@@ -178,7 +178,8 @@ def kda_prefill_inputs(seqs: int, length: int, heads: int = 32, dim: int = 128) 
     }  # fmt: skip
 
 
-PREFILL_IMPLS = {"tf32": ("atom", "tf32"), "fp32": ("atom", "fp32"), "fla": ("fla", None)}  # kda_prefill's (backend, scan)
+# name: kda_prefill's (backend, scan)
+PREFILL_IMPLS = {"tf32": ("atom", "tf32"), "fp32": ("atom", "fp32"), "fla": ("fla", None)}
 
 
 def bench_kda_prefill(seqs: int, length: int, impl: str) -> float:

@@ -9,9 +9,9 @@ by default MLA prefills in the expanded form (the default) against the torch ref
 Each case times ``LLM.generate`` of one new token for its prompts (prefill, then one decode step) on one
 engine, the two settings' runs alternating, median of three each after a warm-up, with prefix caching
 off; a token budget below the prompt length splits it into chunks, whose later ones attend to the
-earlier ones' cached rows. The model is
-bench/decode_gpu.py's random Kimi-Linear-shaped checkpoint (bf16, 2 MLA layers of 8); KDA prefills
-run our kernels unless ATOM_KDA_PREFILL says otherwise (printed).
+earlier ones' cached rows. The model is bench/decode_gpu.py's random Kimi-Linear-shaped checkpoint
+(bf16, 2 MLA layers of 8); KDA prefills run our kernels unless ATOM_KDA_PREFILL says otherwise
+(printed).
 """
 
 from __future__ import annotations
@@ -50,16 +50,18 @@ def prefill_seconds(path: str, prompts: list[list[int]], budget: int, var: str, 
         return time.perf_counter() - t
 
     before = os.environ.get(var)
-    for form in forms:
-        run(form)
     times = {form: [] for form in forms}
-    for _ in range(3):
+    try:
         for form in forms:
-            times[form].append(run(form))
-    if before is None:
-        os.environ.pop(var)
-    else:
-        os.environ[var] = before
+            run(form)
+        for _ in range(3):
+            for form in forms:
+                times[form].append(run(form))
+    finally:
+        if before is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = before
     assert llm.engine.all_resources_free()
     del llm
     torch.cuda.empty_cache()
@@ -70,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
     p.add_argument("--compare", default="ATOM_MLA_PREFILL=expanded,reference",
-                   help="VAR=A,B: the environment variable to set, and its two values (A is the one measured for)")
+                   help="VAR=A,B: the environment variable to set and its two values (ratio: B's time over A's)")
     args = p.parse_args()
     var, _, values = args.compare.partition("=")
     forms = tuple(values.split(","))

@@ -484,7 +484,8 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
 //   S^T = S^T diag(exp(G_last)) + U^T kd  [16 v x K keys]
 //
 // Warp w owns value columns v0 = tile + 16 w .. + 15 of S^T, all K keys, as K / 8 accumulator tiles, and
-// every product above is the warp's own: the block shares only a chunk's kg, qg, kd, Tb and P. A
+// every product above is the warp's own: the block shares only a chunk's kg, qg, kd, Tb and P (for few
+// sequences the keys split over warp pairs instead: KS below). A
 // product's accumulator feeds the next product as its A operand in registers: an accumulator tile holds
 // columns (2t, 2t+1) where an A tile holds (t, t+4), so the reduction index runs permuted (logical k = t
 // is column 2t, k = t + 4 is 2t + 1) and the B operand is read in the same order, as one float2.

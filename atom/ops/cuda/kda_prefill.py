@@ -10,10 +10,10 @@ Two implementations of the same contract (``kda_prefill``):
 H200, bf16, H = 32, K = V = 128, ours with the tf32 scan took 1.76, 1.56 and
 1.79 ms for 8 x 2048, 1 x 8192 and 32 x 512 tokens against fla 0.6.0's 3.03,
 1.78 and 2.51 ms in the same run, and was closer to the fp32 result (output
-1.3e-3 from the fp32 scan, fla 4.4e-3; GPU_NOTES.md, session 18). ``ATOM_KDA_SCAN=auto|tf32|fp32`` picks
-our scan: ``auto`` takes tf32 for bf16/fp16 inputs on NVIDIA GPUs of compute
-capability >= 8.0 and fp32 otherwise, so fp32 inputs meet the 1e-5 fp32
-tolerance. fla's definitions match ours (g: per-channel log-decay; beta: after
+1.3e-3 from the fp32 scan, fla 4.4e-3; GPU_NOTES.md, session 18).
+``ATOM_KDA_SCAN=auto|tf32|fp32`` picks our scan: ``auto`` takes tf32 for
+bf16/fp16 inputs on NVIDIA GPUs of compute capability >= 8.0 and fp32
+otherwise, so fp32 inputs meet the 1e-5 fp32 tolerance. fla's definitions match ours (g: per-channel log-decay; beta: after
 the sigmoid; q, k l2-normalised with eps 1e-6 inside the sqrt, q scaled by
 K^-0.5; state [K, V] fp32), so only the slot gather/scatter is ours on that
 path; it does not take padding sequences (slot < 0).
