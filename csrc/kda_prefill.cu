@@ -489,9 +489,11 @@ __global__ void __launch_bounds__(RG* VT / 2) kda_prefill_scan_kernel(PrefillPar
 // product's accumulator feeds the next product as its A operand in registers: an accumulator tile holds
 // columns (2t, 2t+1) where an A tile holds (t, t+4), so the reduction index runs permuted (logical k = t
 // is column 2t, k = t + 4 is 2t + 1) and the B operand is read in the same order, as one float2.
-template <typename T, int KP, int W>
+constexpr int kTcWarps = 4;  // a tensor-core scan block
+
+template <typename T, int KP>
 struct TcChunkInputs {  // a chunk's inputs, loaded during the chunk before (as ChunkInputs)
-  static constexpr int kThreads = 32 * W, kCols = (KP + kThreads - 1) / kThreads, kMats = kMatFloats / kThreads;
+  static constexpr int kThreads = 32 * kTcWarps, kCols = (KP + kThreads - 1) / kThreads, kMats = kMatFloats / kThreads;
   static_assert(kMatFloats % kThreads == 0 && 2 * kChunk <= kThreads, "whole elements per thread");
   // key columns tid + i * kThreads (g, k, q of every token); elements tid + i * kThreads of Tb | P; this
   // lane's v at its accumulator positions (tokens 8 nt + 2 t (+1), columns v0 + g (+8)); norm factor tid.
@@ -557,8 +559,6 @@ __device__ __forceinline__ void acc_as_a(uint32_t (&a)[4], const float (&c)[4]) 
   a[3] = ptx::tf32_bits(c[3]);
 }
 
-constexpr int kTcWarps = 4;
-
 // grid (N, H, ceil(V / VT)), block 4 warps; VT = 64 / KS. KP: key_dim rounded up (64 or 128). KS = 2 splits
 // the keys over warp pairs (twice the blocks, for few sequences): warp w owns value columns 16 (w % 2) ..
 // and key tiles of half w / 2, and the pair adds its partial X^T, Y^T through shared memory.
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(32 * kTcWarps) kda_prefill_scan_tc_kernel(Pref
 
   const int64_t base_id = chunk_base(p, n);
   auto chunk_len = [&](int64_t t0) { return static_cast<int>(end - t0 < kChunk ? end - t0 : kChunk); };
-  TcChunkInputs<T, KP, kTcWarps> in;
+  TcChunkInputs<T, KP> in;
   if (start < end) {
     in.load(p, h, v0, start, base_id, chunk_len(start));
     in.load_q(p, h, start, chunk_len(start));
