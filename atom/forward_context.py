@@ -25,6 +25,17 @@ from typing import Iterator
 import torch
 
 
+def upload(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on ``device``. To a GPU it goes through pinned memory without waiting: a copy
+    from pageable memory first waits for every kernel queued before it, which would keep the host from
+    preparing a step while the one before runs. torch's caching host allocator keeps the pinned buffer
+    until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class AttentionMetadata:
     query_start_loc: list[int]  # [B + 1] host offsets into the flat batch
@@ -74,19 +85,19 @@ class AttentionMetadata:
     @cached_property
     def has_initial_state(self) -> torch.Tensor:
         """[B] bool: False for a sequence starting from an empty recurrent state (context_len == 0)."""
-        return torch.tensor([c > 0 for c in self.context_lens], device=self.device)
+        return upload([c > 0 for c in self.context_lens], torch.bool, self.device)
 
     @cached_property
     def token_seq_ids(self) -> torch.Tensor:
         """[T] int64: the sequence each token of the flat batch belongs to."""
         ids = [b for b, n in enumerate(self.query_lens) for _ in range(n)]
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        return upload(ids, torch.long, self.device)
 
     @cached_property
     def token_seq_lens(self) -> torch.Tensor:
         """[T] int32: positions each token attends to (its own included): context_len + j + 1."""
         lens = [c + j + 1 for c, n in zip(self.context_lens, self.query_lens) for j in range(n)]
-        return torch.tensor(lens, dtype=torch.int32, device=self.device)
+        return upload(lens, torch.int32, self.device)
 
 
 @dataclass
@@ -138,11 +149,10 @@ def build_attention_metadata(
         query_start_loc=starts,
         context_lens=list(context_lens),
         seq_lens=[c + n for c, n in zip(context_lens, query_lens)],
-        block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(block_tables), width),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        state_slots=torch.tensor(state_slots, dtype=torch.long, device=device),
+        block_tables=upload(padded, torch.long, device).view(len(block_tables), width),
+        slot_mapping=upload(slots, torch.long, device),
+        state_slots=upload(state_slots, torch.long, device),
         block_size=block_size,
-        state_out_slots=None if state_out_slots is None else torch.tensor(state_out_slots, dtype=torch.long,
-                                                                           device=device),
+        state_out_slots=None if state_out_slots is None else upload(state_out_slots, torch.long, device),
         per_token_state_seqs=tuple(per_token_state_seqs),
     )

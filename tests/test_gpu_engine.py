@@ -178,6 +178,31 @@ def test_gpu_decode_inputs_are_written_without_waiting_for_the_stream():
     assert gpu_index.tolist() == cpu_index.tolist() == [0, 2, 5]
 
 
+def test_gpu_prefill_chunk_steps_do_not_wait_for_the_stream(tmp_path):
+    """A prefill chunk that samples nothing returns with its kernels still queued: its input ids, positions
+    and metadata go up without waiting for the stream (a copy from pageable memory would), so the host can
+    plan and launch the next chunk while this one runs. The chunked tokens still match the CPU's."""
+    from atom import LLM
+
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), tokenizer=False)
+    prompt = list(range(3, 43))  # 40 tokens: chunks of 16, 16 and 8 at a 16-token budget
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    cpu = LLM(path, dtype="float32", max_num_batched_tokens=16).generate([prompt], params, use_tqdm=False)
+    llm = LLM(path, dtype="float32", device="cuda", max_num_batched_tokens=16, async_scheduling=False)
+    core = llm.engine
+    core.add_request(core.make_request(prompt, params, request_id="0"))
+    for chunk in range(2):  # the two chunks before the last, which sample nothing
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # about half a second of a busy stream
+        assert core.step() == []
+        assert not torch.cuda.current_stream().query(), f"prefill chunk {chunk} waited for the kernels before it"
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs.extend(core.step())
+    assert outputs[-1].outputs[0].token_ids == cpu[0].outputs[0].token_ids
+    assert core.all_resources_free()
+
+
 @pytest.mark.parametrize("path", ["dispatch", "grouped", "all_experts"])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_gpu_grouped_moe_matches_expert_loop_in_bf16(tokens, path):

@@ -337,6 +337,34 @@ def test_kda_prefill(backend, scan, dtype, lens, H, K, V, moved):
 
 
 @gpu
+@pytest.mark.parametrize("dtype, picked", [(torch.bfloat16, "tf32"), (torch.float16, "tf32"), (torch.float32, "fp32")])
+def test_kda_prefill_auto_scan(monkeypatch, dtype, picked):
+    """ATOM_KDA_SCAN=auto runs the tf32 scan for bf16/fp16 on compute capability >= 8.0 and the fp32 scan for fp32:
+    its output and final states are bitwise those of the scan forced by name, and not those of the other scan."""
+    if torch.cuda.get_device_capability()[0] < 8 or torch.version.hip is not None:
+        pytest.skip("the tf32 scan needs an NVIDIA GPU of compute capability >= 8.0")
+    monkeypatch.delenv("ATOM_KDA_SCAN", raising=False)
+    torch.manual_seed(5)
+    lens, H, K, V = [300, 17, 64], 4, 128, 128
+    T = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()).cuda()
+    q, k = (_rand(T, H, K, dtype=dtype, device="cuda") for _ in range(2))
+    v = _rand(T, H, V, dtype=dtype, device="cuda")
+    g, beta = -torch.rand(T, H, K, device="cuda"), torch.rand(T, H, device="cuda")
+    pool = _rand(len(lens), H, K, V, scale=0.1, device="cuda")
+    slots = torch.arange(len(lens), device="cuda")
+
+    def run(scan: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        states = pool.clone()
+        o = kda_prefill(q, k, v, g, beta, cu, states, slots, backend="atom", scan=scan)
+        return o, states
+
+    auto, forced = run(None), run(picked)
+    other = run("fp32" if picked == "tf32" else "tf32")
+    assert torch.equal(auto[0], forced[0]) and torch.equal(auto[1], forced[1])
+    assert not torch.equal(auto[1], other[1])  # the two scans are told apart by their states
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "B, T, C, W, mode",

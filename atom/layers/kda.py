@@ -170,8 +170,8 @@ class KimiDeltaAttention(nn.Module):
         ctx = get_forward_context()
         conv_pool, state_pool = ctx.caches[self.layer_idx]
         md = ctx.attn_metadata
-        slots, out_slots = md.state_slots[layout.seq_ids], md.state_out_slots[layout.seq_ids]
-        keep = md.has_initial_state[layout.seq_ids]
+        seqs = (lambda t: t) if whole else (lambda t: t[layout.seq_ids])  # noqa: E731
+        slots, out_slots, keep = seqs(md.state_slots), seqs(md.state_out_slots), seqs(md.has_initial_state)
         tokens = (lambda t: t) if whole else (lambda t: t[layout.token_ids])  # noqa: E731
         packed = conv1d_prefill(tokens(mixed), layout.cu_seqlens, conv_pool, self._conv_weight(), slots,
                                 out_slots=out_slots, has_initial_state=keep)  # [T', 3*H*K], sequence by sequence

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.forward_context import upload
+
 
 @dataclass(frozen=True)
 class PaddedLayout:
@@ -79,7 +81,7 @@ def _layout(seqs: tuple[int, ...], starts: tuple[int, ...], lens: list[int], dev
     index = [i * max_len + j for i, b in enumerate(seqs) for j in range(lens[b])]
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return upload(values, torch.long, device)
 
     return PaddedLayout(
         seqs=seqs,

@@ -39,7 +39,7 @@ import torch
 
 from atom.config import EngineConfig
 from atom.engine.scheduler_output import ScheduledRequest
-from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context, upload
 from atom.layers.moe import DENSE_MAX_TOKENS
 from atom.ops._C_loader import use_kernels
 from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_OUT_SLOTS,
@@ -258,9 +258,7 @@ def as_index(positions: list[int], device: torch.device) -> slice | torch.Tensor
     waiting for the stream)."""
     if positions == list(range(positions[0], positions[0] + len(positions))):
         return slice(positions[0], positions[0] + len(positions))
-    index = torch.empty(len(positions), dtype=torch.long, device=device)
-    copy_from_host(index, torch.tensor(positions, dtype=torch.long))
-    return index
+    return upload(positions, torch.long, device)
 
 
 def _slot(s: ScheduledRequest, block_size: int) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from atom.config import EngineConfig
 from atom.engine.scheduler_output import PLACEHOLDER, NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
-from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context
+from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context, upload
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
@@ -227,10 +227,7 @@ class ModelRunner:
     def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _ = self._token_ids(rows)
         pos = [p for s in rows for p in range(s.context_len, s.context_len + len(s.token_ids))]
-        return (
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(pos, dtype=torch.long, device=self.device),
-        )
+        return upload(ids, torch.long, self.device), upload(pos, torch.long, self.device)
 
     def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False) -> None:
         """Plain sampling: one token from the last position of each row that samples without drafts.
@@ -319,6 +316,6 @@ class ModelRunner:
             entries: list[dict[int, float] | None] = [None] if first == 0 else []
             if end > first:
                 logits = self.model.compute_logits(hidden[starts[i] : starts[i] + end - first])
-                targets = torch.tensor(prompt[first + 1 : end + 1], device=self.device)
+                targets = upload(prompt[first + 1 : end + 1], torch.long, self.device)
                 entries.extend(compute_prompt_logprobs(logits, targets, st.sampling_params.prompt_logprobs))
             out.prompt_logprobs[s.request_id] = entries

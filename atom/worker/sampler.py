@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from atom.forward_context import upload
 from atom.sampling_params import SamplingParams
 
 # Smallest Exp(1) draw we divide by; avoids 0/0 for filtered-out tokens.
@@ -54,7 +55,7 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         def column(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return upload(values, dtype, device)
 
         f32 = torch.float32
         return SamplingBatch(
@@ -124,7 +125,7 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     """[B, V] float32 occurrence counts; rows are padded with an out-of-vocab id that is dropped."""
     max_len = max((len(ids) for ids in token_ids), default=0)
     padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
-    index = torch.tensor(padded, dtype=torch.int64, device=device).view(len(token_ids), max_len)
+    index = upload(padded, torch.int64, device).view(len(token_ids), max_len)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]

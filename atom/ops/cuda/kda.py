@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import conv1d_prefill_ref, conv1d_update_ref, kda_decode_ref
 
 
@@ -73,7 +73,7 @@ def kda_decode(
     beta = beta.float().contiguous()
     ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, v.device)
     result = output_buffer(out, (batch, tokens, heads, value_dim), dtype, v.device)
-    with torch.cuda.device(v.device):
+    with device_guard(v.device):
         C().kda_decode(
             q.data_ptr(), q.stride(0), q.stride(1),
             k.data_ptr(), k.stride(0), k.stride(1),
@@ -123,7 +123,7 @@ def conv1d_update(
     weight = weight.to(dtype).contiguous()
     ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, x.device)
     result = output_buffer(out, tuple(x.shape), dtype, x.device)
-    with torch.cuda.device(x.device):
+    with device_guard(x.device):
         C().conv1d_update(
             x.data_ptr(), conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(),
             outs.data_ptr(), per_token, init.data_ptr() if init is not None else 0, result.data_ptr(), batch, tokens,
@@ -168,7 +168,7 @@ def conv1d_prefill(
     ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, x.device)
     cu = cu_seqlens.to(device=x.device, dtype=torch.int64).contiguous()
     result = output_buffer(out, (rows, channels), dtype, x.device)
-    with torch.cuda.device(x.device):
+    with device_guard(x.device):
         C().conv1d_prefill(
             x.data_ptr(), max(x.stride(0), channels), cu.data_ptr(), batch, rows, conv_pool.data_ptr(),
             conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(), outs.data_ptr(),

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.kda import (check_slots_contiguous, check_state_pool, output_buffer, slots_and_flags,
                                token_major)
 from atom.ops.cuda.reference import kda_prefill_ref
@@ -127,7 +127,7 @@ def kda_prefill(
     result = output_buffer(out, (tokens, heads, value_dim), dtype, v.device)
     workspace = torch.empty(C().kda_prefill_workspace_floats(tokens, num_seqs, heads), dtype=torch.float32,
                             device=v.device)  # fmt: skip
-    with torch.cuda.device(v.device):
+    with device_guard(v.device):
         C().kda_prefill(
             q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), g.data_ptr(),
             beta.data_ptr(), cu.data_ptr(), dtype_code(cu.dtype), state_pool.data_ptr(), state_pool.stride(0),

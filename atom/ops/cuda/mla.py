@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.forward_context import upload
+from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import mla_decode_ref, write_latent_cache_ref
 
 # The tensor-core kernels: one block of 16 warps per (sequence, 32 heads, split),
@@ -53,7 +54,7 @@ def mla_decode(
     rope = q_pe.shape[-1]
     if not isinstance(seq_lens, torch.Tensor):  # host list (AttentionMetadata.seq_lens): one upload
         max_seq_len = max(seq_lens, default=0) if max_seq_len is None else max_seq_len
-        seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=q_latent.device)
+        seq_lens = upload(seq_lens, torch.int32, q_latent.device)
     _, block_size, row = latent_cache.shape
     if row != rank + rope or q_pe.shape[:2] != q_latent.shape[:2]:
         raise ValueError(f"mla_decode: cache rows hold {row} values but q_latent/q_pe give {rank} + {rope}")
@@ -81,7 +82,7 @@ def mla_decode(
     elif tuple(out.shape) != (batch, heads, rank) or not out.is_contiguous():
         raise ValueError(f"mla_decode: out must be contiguous [{batch}, {heads}, {rank}], got {tuple(out.shape)}")
     o_part = lse_part = None
-    with torch.cuda.device(q_latent.device):  # (the cluster kernel's occupancy is the current device's)
+    with device_guard(q_latent.device):  # (the cluster kernel's occupancy is the current device's)
         if num_splits > 1 and C().mla_decode_needs_workspace(
             q_latent.data_ptr(), q_pe.data_ptr(), latent_cache.data_ptr(), latent_cache.stride(0),
             latent_cache.stride(1), batch, heads, rank, rope, num_splits, dtype_code(dtype), kernel,
@@ -123,7 +124,7 @@ def write_latent_cache(
         rope = rope.contiguous()
     if latent_cache.stride(2) != 1:
         raise ValueError("write_latent_cache: cache rows must be contiguous")
-    with torch.cuda.device(latent_cache.device):
+    with device_guard(latent_cache.device):
         C().write_latent_cache(
             latent_cache.data_ptr(), latent_cache.stride(0), latent_cache.stride(1), latent_cache.shape[1],
             latent.data_ptr(), latent.stride(0), rope.data_ptr(), rope.stride(0), slot_mapping.data_ptr(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, stream_of
 from atom.ops.cuda.reference import gated_rmsnorm_ref
 
 
@@ -36,7 +36,7 @@ def gated_rmsnorm(
     result = torch.empty(x2.shape, dtype=dtype, device=x.device) if out is None else out.view(x2.shape)
     if result.dtype != dtype or result.stride(1) != 1:
         raise ValueError(f"gated_rmsnorm: out must be {dtype} and contiguous")
-    with torch.cuda.device(x.device):
+    with device_guard(x.device):
         C().gated_rmsnorm(
             x2.data_ptr(), x2.stride(0), g2.data_ptr(), g2.stride(0), w.data_ptr(), result.data_ptr(), result.stride(0),
             x2.shape[0], dim, float(eps), dtype_code(dtype), stream_of(x.device),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context
+from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context, upload
 from atom.worker.drafters import DraftContext
 
 
@@ -80,8 +80,8 @@ class MTPDrafter:
         )
         with set_forward_context(ForwardContext(meta, ctx.caches)):
             return self.model.mtp_forward(
-                torch.tensor(flat_ids, dtype=torch.long, device=device),
-                torch.tensor(positions, dtype=torch.long, device=device),
+                upload(flat_ids, torch.long, device),
+                upload(positions, torch.long, device),
                 torch.cat(hidden, dim=0),
                 depth,
             )
