@@ -324,6 +324,57 @@ def bench_conv_prefill(seqs: int, length: int, channels: int = 3 * 32 * 128, wid
     return {"op": name, "bytes": moved, "us": new_us, "baseline_us": old_us}
 
 
+def bench_kda_gate(C, tokens: int, heads: int = 32, dim: int = 128) -> dict:
+    """KDA's decay and beta from their projections (bf16 in, fp32 out), at prefill sizes."""
+    bf16 = torch.bfloat16
+    f = torch.randn(tokens, heads * dim, dtype=bf16, device="cuda")
+    dt_bias = torch.randn(heads * dim, device="cuda")
+    a_log = torch.randn(heads, dtype=bf16, device="cuda")
+    b = torch.randn(tokens, heads, dtype=bf16, device="cuda")
+    g = torch.empty(tokens, heads, dim, device="cuda")
+    beta = torch.empty(tokens, heads, device="cuda")
+
+    def run():
+        C.kda_gate(f.data_ptr(), f.stride(0), dt_bias.data_ptr(), a_log.data_ptr(), b.data_ptr(), b.stride(0),
+                   g.data_ptr(), beta.data_ptr(), tokens, heads, dim, dtype_code(bf16), stream())  # fmt: skip
+
+    moved = tokens * heads * (dim + 1) * (2 + 4)  # f and b read in bf16, g and beta written in fp32
+    return {"op": f"kda_gate T={tokens} H={heads} K={dim}", "bytes": moved, "us": time_us(run)}
+
+
+def bench_moe_combine(C, tokens: int, top_k: int = 4, dim: int = 2304) -> dict:
+    """Each token's picks summed, plus the shared experts' output (bf16), at prefill sizes."""
+    bf16 = torch.bfloat16
+    y = torch.randn(tokens * top_k, dim, dtype=bf16, device="cuda")
+    pos = torch.randperm(tokens * top_k, device="cuda")
+    weights = torch.rand(tokens, top_k, device="cuda")
+    addend = torch.randn(tokens, dim, dtype=bf16, device="cuda")
+    out = torch.empty_like(addend)
+
+    def run():
+        C.moe_combine(y.data_ptr(), pos.data_ptr(), weights.data_ptr(), addend.data_ptr(), out.data_ptr(), tokens,
+                      top_k, dim, 0, dtype_code(bf16), stream())  # fmt: skip
+
+    moved = (y.numel() + addend.numel() + out.numel()) * 2 + pos.numel() * 8 + weights.numel() * 4
+    return {"op": f"moe_combine T={tokens} k={top_k} D={dim}", "bytes": moved, "us": time_us(run)}
+
+
+def bench_moe_align(C, tokens: int, experts: int, top_k: int) -> dict:
+    """(token, pick) pairs grouped by expert: the pairs read, three int arrays written."""
+    ids = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices.contiguous()
+    src, pos = torch.empty(tokens * top_k, dtype=torch.int64, device="cuda"), torch.empty_like(ids).view(-1)
+    ends = torch.empty(experts, dtype=torch.int32, device="cuda")
+    workspace = torch.empty(max(C.moe_align_workspace_ints(ids.numel(), experts), 1), dtype=torch.int32,
+                            device="cuda")  # fmt: skip
+
+    def run():
+        C.moe_align(ids.data_ptr(), ids.numel(), experts, top_k, src.data_ptr(), pos.data_ptr(), ends.data_ptr(),
+                    workspace.data_ptr(), stream())  # fmt: skip
+
+    moved = 3 * ids.numel() * 8 + experts * 4
+    return {"op": f"moe_align T={tokens} E={experts} k={top_k}", "bytes": moved, "us": time_us(run)}
+
+
 def bench_norm(C, rows: int, dim: int = 128) -> dict:
     bf16 = torch.bfloat16
     x = torch.randn(rows, dim, dtype=bf16, device="cuda")
@@ -580,6 +631,10 @@ def main() -> None:
               for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144))]  # fmt: skip
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
     cases += [(f"conv1d_prefill {n}x{t}", lambda n=n, t=t: bench_conv_prefill(n, t)) for n, t in ((1, 4000), (32, 250))]
+    cases += [(f"kda_gate T={t}", lambda t=t: bench_kda_gate(C, t)) for t in (64, 1024, 8000)]
+    cases += [(f"moe_combine T={t}", lambda t=t: bench_moe_combine(C, t)) for t in (64, 1024, 8000)]
+    cases += [(f"moe_align T={t} E={e}", lambda t=t, e=e, k=k: bench_moe_align(C, t, e, k))
+              for t in (64, 1024, 8000) for e, k in ((16, 4), (256, 8))]  # fmt: skip
     cases += [(f"gated_rmsnorm rows={r}", lambda r=r: bench_norm(C, r)) for r in (64 * 32, 1 << 20)]
     cases += [(f"rms_norm rows={r} residual={a}", lambda r=r, a=a: bench_rms_norm(C, r, residual=a))
               for r in (64, 16384) for a in (False, True)]  # fmt: skip

@@ -233,11 +233,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "moe_align",
       [](uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
-         uintptr_t ends, uintptr_t stream) {
-        check(atom::moe_align(ids, pairs, experts, top_k, src_token, pos, ends, stream));
+         uintptr_t ends, uintptr_t workspace, uintptr_t stream) {
+        check(atom::moe_align(ids, pairs, experts, top_k, src_token, pos, ends, workspace, stream));
       },
       "(token, pick) pairs grouped by expert: rows, tokens and group ends", py::arg("ids"), py::arg("pairs"),
-      py::arg("experts"), py::arg("top_k"), py::arg("src_token"), py::arg("pos"), py::arg("ends"), py::arg("stream"));
+      py::arg("experts"), py::arg("top_k"), py::arg("src_token"), py::arg("pos"), py::arg("ends"),
+      py::arg("workspace"), py::arg("stream"));
+  m.def("moe_align_workspace_ints", &atom::moe_align_workspace_ints,
+        "int32 scratch moe_align needs for this many pairs (0: none)", py::arg("pairs"), py::arg("experts"));
 
   m.def(
       "moe_combine",

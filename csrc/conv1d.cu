@@ -94,8 +94,8 @@ const char* launch(const ConvParams& p, int64_t batch, cudaStream_t stream) {
 // Prefill: sequence b owns packed rows [cu[b], cu[b + 1]) of x and out. Output row t of b sums the
 // W inputs ending at t in the same order and rounding as conv1d_update_kernel, taking the inputs before
 // the sequence's first row from its slot's state (zeros without one). A thread computes one channel of
-// kPrefillRows consecutive rows, sliding its window along them as conv1d_update_kernel does, and
-// starting a new window where a new sequence starts.
+// kPrefillRows consecutive rows (or, where the layout allows, two channels of half as many rows), sliding its
+// window along them as conv1d_update_kernel does, and starting a new window where a new sequence starts.
 constexpr int kPrefillRows = 16;
 
 struct ConvPrefillParams {
@@ -137,29 +137,35 @@ __device__ __forceinline__ const T* state_row_of(const ConvPrefillParams& p, int
   return init ? static_cast<const T*>(p.state) + p.in_slots[b] * p.slot_stride + c * (W - 1) : nullptr;
 }
 
-template <typename T, int W>
-__global__ void __launch_bounds__(kThreads) conv1d_prefill_kernel(ConvPrefillParams p) {
-  const int64_t c = static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x;
+// kN > 1: a thread takes kN adjacent channels (one kN-element load and store a row; channels, x's row stride
+// and the pointers allow it) over kRows rows; kN = 1 is the general form.
+template <typename T, int W, int kN, int kRows>
+__global__ void __launch_bounds__(kThreads, 1) conv1d_prefill_kernel(ConvPrefillParams p) {
+  using V = Pack<T, kN>;
+  const int64_t c = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * kN;
   if (c >= p.channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kPrefillRows;
-  const int64_t t1 = min(t0 + kPrefillRows, p.rows);
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t t1 = min(t0 + kRows, p.rows);
   const T* x = static_cast<const T*>(p.x) + c;
   T* out = static_cast<T*>(p.out) + c;
-  float wt[W];
+  float wt[kN][W];
 #pragma unroll
-  for (int w = 0; w < W; ++w) wt[w] = to_float(static_cast<const T*>(p.weight)[c * W + w]);
+  for (int k = 0; k < kN; ++k) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) wt[k][w] = to_float(static_cast<const T*>(p.weight)[(c + k) * W + w]);
+  }
 
   // every row's input first, as independent loads (one at a time, each row waited for its load)
-  T xs[kPrefillRows];
+  V xs[kRows];
 #pragma unroll
-  for (int i = 0; i < kPrefillRows; ++i) xs[i] = x[min(t0 + i, t1 - 1) * p.x_stride];
+  for (int i = 0; i < kRows; ++i) xs[i] = *reinterpret_cast<const V*>(x + min(t0 + i, t1 - 1) * p.x_stride);
   int b = seq_of_row(p.cu_seqlens, p.num_seqs, t0);
   int64_t end = p.cu_seqlens[b + 1];
   bool padding = false;
-  float win[W - 1];
+  float win[kN][W - 1];
   const int n = static_cast<int>(t1 - t0);
 #pragma unroll
-  for (int i = 0; i < kPrefillRows; ++i) {
+  for (int i = 0; i < kRows; ++i) {
     if (i >= n) continue;
     const int64_t t = t0 + i;
     if (i == 0 || t == end) {  // a window for row t: its sequence's W-1 inputs before it
@@ -168,22 +174,31 @@ __global__ void __launch_bounds__(kThreads) conv1d_prefill_kernel(ConvPrefillPar
       end = p.cu_seqlens[b + 1];
       padding = p.in_slots[b] < 0;
       const T* state_row = padding ? nullptr : state_row_of<T, W>(p, b, c);
-      const T* x_first = x + first * p.x_stride;
 #pragma unroll
-      for (int w = 0; w < W - 1; ++w) {
-        win[w] = prefill_input<T, W>(x_first, p.x_stride, t - first - (W - 1) + w, state_row);
+      for (int k = 0; k < kN; ++k) {
+        const T* x_first = x + k + first * p.x_stride;
+        const T* state_k = state_row != nullptr ? state_row + k * (W - 1) : nullptr;
+#pragma unroll
+        for (int w = 0; w < W - 1; ++w) {
+          win[k][w] = prefill_input<T, W>(x_first, p.x_stride, t - first - (W - 1) + w, state_k);
+        }
       }
     }
-    const float xt = to_float(xs[i]);
-    float acc = 0.f;
+    V o;
 #pragma unroll
-    for (int w = 0; w < W - 1; ++w) acc = fmaf(wt[w], win[w], acc);
-    acc = fmaf(wt[W - 1], xt, acc);
-    const float y = round_to<T>(acc);
-    out[t * p.channels] = from_float<T>(padding ? 0.f : y / (1.f + expf(-y)));  // a padding sequence: zeros
+    for (int k = 0; k < kN; ++k) {
+      const float xt = to_float(xs[i].v[k]);
+      float acc = 0.f;
 #pragma unroll
-    for (int w = 0; w + 1 < W - 1; ++w) win[w] = win[w + 1];
-    win[W - 2] = xt;
+      for (int w = 0; w < W - 1; ++w) acc = fmaf(wt[k][w], win[k][w], acc);
+      acc = fmaf(wt[k][W - 1], xt, acc);
+      const float y = round_to<T>(acc);
+      o.v[k] = from_float<T>(padding ? 0.f : y / (1.f + expf(-y)));  // a padding sequence: zeros
+#pragma unroll
+      for (int w = 0; w + 1 < W - 1; ++w) win[k][w] = win[k][w + 1];
+      win[k][W - 2] = xt;
+    }
+    *reinterpret_cast<V*>(out + t * p.channels) = o;
   }
 }
 
@@ -209,8 +224,21 @@ template <typename T, int W>
 const char* launch_prefill(const ConvPrefillParams& p, const int64_t* out_slots, int64_t rows, cudaStream_t stream) {
   const int64_t channel_blocks = ceil_div(p.channels, kThreads);
   if (rows > 0) {
-    const dim3 grid(static_cast<unsigned>(ceil_div(rows, kPrefillRows)), static_cast<unsigned>(channel_blocks));
-    conv1d_prefill_kernel<T, W><<<grid, kThreads, 0, stream>>>(p);
+    // Two channels a thread (one 4-byte load a row in bf16), 8 rows: 1.13x the one-channel form at 1 x 4000
+    // and 32 x 250 rows on an H200 (GPU_NOTES.md, session 19); four or eight channels a thread, or other row
+    // counts, were slower.
+    constexpr int kN = 2, kRowsVec = kPrefillRows / 2;
+    const bool vec = reinterpret_cast<uintptr_t>(p.x) % (kN * sizeof(T)) == 0 &&
+                     reinterpret_cast<uintptr_t>(p.out) % (kN * sizeof(T)) == 0 && p.channels % kN == 0 &&
+                     p.x_stride % kN == 0;
+    if (vec) {
+      const dim3 grid(static_cast<unsigned>(ceil_div(rows, kRowsVec)),
+                      static_cast<unsigned>(ceil_div(p.channels, kThreads * kN)));
+      conv1d_prefill_kernel<T, W, kN, kRowsVec><<<grid, kThreads, 0, stream>>>(p);
+    } else {
+      const dim3 grid(static_cast<unsigned>(ceil_div(rows, kPrefillRows)), static_cast<unsigned>(channel_blocks));
+      conv1d_prefill_kernel<T, W, 1, kPrefillRows><<<grid, kThreads, 0, stream>>>(p);
+    }
     if (const char* err = last_launch_error()) return err;
   }
   conv1d_prefill_state_kernel<T, W>

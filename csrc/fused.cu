@@ -140,18 +140,34 @@ __global__ void silu_mul_kernel(const T* x, int64_t x_stride, T* out, int64_t ou
 
 // ---- kda_gate ---------------------------------------------------------------------------------------------------
 
-template <typename T>
+// A thread takes kN channels of one token (one 16-byte load of f when kN > 1: the head dim and f's rows
+// are multiples of kN) and writes their kN fp32 decays; then, past the decays, one beta a thread.
+template <typename T, int kN>
 __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bias, const T* a_log, const T* b,
                                 int64_t b_stride, float* g, float* beta, int64_t tokens, int heads, int head_dim) {
-  const int64_t channels = static_cast<int64_t>(heads) * head_dim;
-  const int64_t n_g = tokens * channels, n = n_g + tokens * heads;
+  using V = Pack<T, kN>;
+  const int64_t channels = static_cast<int64_t>(heads) * head_dim, vecs = channels / kN;
+  const int64_t n_g = tokens * vecs, n = n_g + tokens * heads;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     if (i < n_g) {
-      const int64_t t = i / channels, c = i % channels;
-      const float raw = to_float(f[t * f_stride + c]) + dt_bias[c];
-      const float softplus = raw > 20.f ? raw : logf(1.f + expf(raw));
-      g[i] = -expf(to_float(a_log[c / head_dim])) * softplus;
+      const int64_t t = i / vecs, c = i % vecs * kN;
+      const V fv = *reinterpret_cast<const V*>(f + t * f_stride + c);
+      const float decay = -expf(to_float(a_log[c / head_dim]));  // kN channels never straddle two heads
+      float out[kN];
+#pragma unroll
+      for (int j = 0; j < kN; ++j) {
+        const float raw = to_float(fv.v[j]) + dt_bias[c + j];
+        out[j] = decay * (raw > 20.f ? raw : logf(1.f + expf(raw)));
+      }
+      if constexpr (kN % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < kN; j += 4)
+          *reinterpret_cast<Pack<float, 4>*>(g + t * channels + c + j) = {out[j], out[j + 1], out[j + 2], out[j + 3]};
+      } else {
+#pragma unroll
+        for (int j = 0; j < kN; ++j) g[t * channels + c + j] = out[j];
+      }
     } else {
       const int64_t j = i - n_g, t = j / heads, h = j % heads;
       const float v = to_float(b[t * b_stride + h]);
@@ -360,23 +376,135 @@ __global__ void __launch_bounds__(kAlignThreads)
   }
 }
 
-// ---- moe_combine ------------------------------------------------------------------------------------------------
+// The tiled form, for many pairs: a block a tile of kAlignTile pairs, in two launches. First each tile's count
+// of pairs per expert (counts [tiles, experts]); then each tile places its pairs, expert e's rows starting after
+// every pair of a lower expert and after e's pairs in earlier tiles. A block loads its whole tile at once (one
+// round trip to memory), then places kAlignTileThreads pairs a round: a pair's rank among its expert's pairs
+// earlier in the round is counted over the round's ids in shared memory.
+constexpr int kAlignTileThreads = 256, kAlignPerThread = 8, kAlignTile = kAlignTileThreads * kAlignPerThread;
+// Fewer pairs: the one-block kernel above (one launch). On an H200 the tiled form took 22-25 us from 2048 to
+// 64000 pairs, the one-block kernel 19.8 us at 2048 and 29.9 us at 4096 (GPU_NOTES.md, session 19).
+constexpr int64_t kAlignTiledMinPairs = 3072;
 
-template <typename T>
-__global__ void moe_combine_kernel(const T* y, const int64_t* pos, const float* weights, const T* addend, T* out,
-                                   int64_t tokens, int top_k, int64_t dim, int64_t pick_stride) {
-  const int64_t n = tokens * dim;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / dim, d = i % dim;
-    float acc = 0.f;
-    for (int j = 0; j < top_k; ++j) {
-      const int64_t p = pos[t * top_k + j], row = pick_stride > 0 ? p * pick_stride + t : p;
-      acc += to_float(y[row * dim + d]) * weights[t * top_k + j];
+__global__ void __launch_bounds__(kAlignTileThreads)
+    moe_align_count_kernel(const int64_t* ids, int64_t pairs, int experts, int32_t* counts) {
+  __shared__ int32_t hist[1024];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kAlignTile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kAlignTile), pairs - first));
+  int mine[kAlignPerThread];
+#pragma unroll
+  for (int r = 0; r < kAlignPerThread; ++r) {
+    const int i = r * kAlignTileThreads + threadIdx.x;
+    mine[r] = i < n ? static_cast<int>(ids[first + i]) : -1;
+  }
+  __syncthreads();  // hist[] zeroed
+#pragma unroll
+  for (int r = 0; r < kAlignPerThread; ++r)
+    if (mine[r] >= 0) atomicAdd(&hist[mine[r]], 1);
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[blockIdx.x * experts + e] = hist[e];
+}
+
+__global__ void __launch_bounds__(kAlignTileThreads)
+    moe_align_place_kernel(const int64_t* ids, int64_t pairs, int experts, int top_k, const int32_t* counts,
+                           int64_t* src_token, int64_t* pos, int32_t* ends) {
+  constexpr int kPer = 1024 / kAlignTileThreads;  // experts a thread sums (consecutive ones)
+  __shared__ int32_t base[1024];                   // per expert: this tile's next row
+  __shared__ int32_t scan[kAlignTileThreads];
+  __shared__ __align__(16) int32_t tile_ids[kAlignTile];
+  const int tiles = static_cast<int>(gridDim.x), tid = threadIdx.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kAlignTile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kAlignTile), pairs - first));
+#pragma unroll
+  for (int r = 0; r < kAlignPerThread; ++r) {  // the tile's ids, all loads in flight together
+    const int i = r * kAlignTileThreads + tid;
+    tile_ids[i] = i < n ? static_cast<int32_t>(ids[first + i]) : -1;
+  }
+  int32_t total[kPer], before[kPer], sum = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = tid * kPer + j;
+    total[j] = before[j] = 0;
+    if (e >= experts) continue;
+    for (int t = 0; t < tiles; ++t) {
+      const int32_t c = counts[t * experts + e];
+      total[j] += c;
+      if (t < static_cast<int>(blockIdx.x)) before[j] += c;
     }
-    out[i] = addend != nullptr ? from_float<T>(round_to<T>(acc) + to_float(addend[i])) : from_float<T>(acc);
+    sum += total[j];
+  }
+  scan[tid] = sum;  // exclusive scan of the threads' sums (Hillis-Steele over kAlignTileThreads)
+  __syncthreads();
+  for (int off = 1; off < kAlignTileThreads; off *= 2) {
+    const int32_t add = tid >= off ? scan[tid - off] : 0;
+    __syncthreads();
+    scan[tid] += add;
+    __syncthreads();
+  }
+  int32_t start = scan[tid] - sum;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = tid * kPer + j;
+    if (e >= experts) continue;
+    base[e] = start + before[j];
+    if (blockIdx.x == 0) ends[e] = start + total[j];
+    start += total[j];
+  }
+  for (int done = 0; done < n; done += kAlignTileThreads) {
+    const int i = done + tid;
+    const int e = i < n ? tile_ids[i] : -1;
+    __syncthreads();  // base[] in place (and, the first time, tile_ids[])
+    if (e >= 0) {
+      int32_t row = base[e];
+      const int4* quads = reinterpret_cast<const int4*>(tile_ids + done);  // the round's earlier ids, four at a time
+#pragma unroll 8
+      for (int q = 0; q < tid / 4; ++q) {
+        const int4 v = quads[q];
+        row += (v.x == e) + (v.y == e) + (v.z == e) + (v.w == e);
+      }
+      for (int j = tid / 4 * 4; j < tid; ++j) row += tile_ids[done + j] == e;
+      pos[first + i] = row;
+      src_token[row] = (first + i) / top_k;
+    }
+    __syncthreads();  // every base[] read done
+    if (e >= 0) atomicAdd(&base[e], 1);
   }
 }
+
+// ---- moe_combine ------------------------------------------------------------------------------------------------
+
+// A thread sums kN consecutive elements of one token's row over its picks (16-byte loads and stores when
+// kN > 1: the dim a multiple of kN), in pick order as the reference does.
+template <typename T, int kN>
+__global__ void moe_combine_kernel(const T* y, const int64_t* pos, const float* weights, const T* addend, T* out,
+                                   int64_t tokens, int top_k, int64_t dim, int64_t pick_stride) {
+  using V = Pack<T, kN>;
+  const int64_t vecs = dim / kN, n = tokens * vecs;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / vecs, d = i % vecs * kN;
+    float acc[kN] = {};
+    for (int j = 0; j < top_k; ++j) {
+      const int64_t p = pos[t * top_k + j], row = pick_stride > 0 ? p * pick_stride + t : p;
+      const float w = weights[t * top_k + j];
+      const V yv = *reinterpret_cast<const V*>(y + row * dim + d);
+#pragma unroll
+      for (int e = 0; e < kN; ++e) acc[e] += to_float(yv.v[e]) * w;
+    }
+    V o;
+    if (addend != nullptr) {
+      const V a = *reinterpret_cast<const V*>(addend + t * dim + d);
+#pragma unroll
+      for (int e = 0; e < kN; ++e) o.v[e] = from_float<T>(round_to<T>(acc[e]) + to_float(a.v[e]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kN; ++e) o.v[e] = from_float<T>(acc[e]);
+    }
+    *reinterpret_cast<V*>(out + t * dim + d) = o;
+  }
+}
+
 
 // ---- advance_decode -----------------------------------------------------------------------------------------
 
@@ -455,12 +583,17 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
   if (tokens < 0 || heads < 1 || head_dim < 1) return "kda_gate: needs tokens >= 0, heads >= 1, head_dim >= 1";
   if (tokens == 0) return nullptr;
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "kda_gate", [&]() {
-    kda_gate_kernel<scalar_t><<<elementwise_blocks(tokens * heads * (head_dim + 1)), kThreads, 0, as_stream(stream)>>>(
-        reinterpret_cast<const scalar_t*>(f), f_stride, reinterpret_cast<const float*>(dt_bias),
-        reinterpret_cast<const scalar_t*>(a_log), reinterpret_cast<const scalar_t*>(b), b_stride,
-        reinterpret_cast<float*>(g), reinterpret_cast<float*>(beta), tokens, static_cast<int>(heads),
-        static_cast<int>(head_dim));
-    return last_launch_error();
+    constexpr int kN = 16 / sizeof(scalar_t);
+    const bool vec = f % 16 == 0 && dt_bias % 16 == 0 && g % 16 == 0 && head_dim % kN == 0 && f_stride % kN == 0;
+    auto launch = [&](auto kernel, int n) {
+      kernel<<<elementwise_blocks(tokens * heads * (head_dim / n + 1)), kThreads, 0, as_stream(stream)>>>(
+          reinterpret_cast<const scalar_t*>(f), f_stride, reinterpret_cast<const float*>(dt_bias),
+          reinterpret_cast<const scalar_t*>(a_log), reinterpret_cast<const scalar_t*>(b), b_stride,
+          reinterpret_cast<float*>(g), reinterpret_cast<float*>(beta), tokens, static_cast<int>(heads),
+          static_cast<int>(head_dim));
+      return last_launch_error();
+    };
+    return vec ? launch(kda_gate_kernel<scalar_t, kN>, kN) : launch(kda_gate_kernel<scalar_t, 1>, 1);
   });
 }
 
@@ -494,14 +627,32 @@ const char* moe_route(uintptr_t logits, int64_t logits_stride, uintptr_t bias, i
 }
 
 const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
-                      uintptr_t ends, uintptr_t stream) {
+                      uintptr_t ends, uintptr_t workspace, uintptr_t stream) {
   if (experts < 1 || experts > 1024) return "moe_align: takes 1 to 1024 experts";
   if (top_k < 1 || pairs < 0 || pairs % top_k != 0) return "moe_align: pairs must be tokens * top_k";
   if (pairs > INT32_MAX) return "moe_align: too many pairs";
-  moe_align_kernel<<<1, kAlignThreads, 0, as_stream(stream)>>>(
-      reinterpret_cast<const int64_t*>(ids), pairs, static_cast<int>(experts), static_cast<int>(top_k),
-      reinterpret_cast<int64_t*>(src_token), reinterpret_cast<int64_t*>(pos), reinterpret_cast<int32_t*>(ends));
+  const auto* id_ptr = reinterpret_cast<const int64_t*>(ids);
+  auto* src_ptr = reinterpret_cast<int64_t*>(src_token);
+  auto* pos_ptr = reinterpret_cast<int64_t*>(pos);
+  auto* ends_ptr = reinterpret_cast<int32_t*>(ends);
+  if (pairs < kAlignTiledMinPairs) {
+    moe_align_kernel<<<1, kAlignThreads, 0, as_stream(stream)>>>(id_ptr, pairs, static_cast<int>(experts),
+                                                                 static_cast<int>(top_k), src_ptr, pos_ptr, ends_ptr);
+    return last_launch_error();
+  }
+  if (workspace == 0) return "moe_align: needs moe_align_workspace_ints(pairs, experts) int32 of workspace";
+  const auto tiles = static_cast<unsigned>(ceil_div(pairs, kAlignTile));
+  auto* counts = reinterpret_cast<int32_t*>(workspace);
+  moe_align_count_kernel<<<tiles, kAlignTileThreads, 0, as_stream(stream)>>>(id_ptr, pairs, static_cast<int>(experts),
+                                                                             counts);
+  if (const char* err = last_launch_error()) return err;
+  moe_align_place_kernel<<<tiles, kAlignTileThreads, 0, as_stream(stream)>>>(
+      id_ptr, pairs, static_cast<int>(experts), static_cast<int>(top_k), counts, src_ptr, pos_ptr, ends_ptr);
   return last_launch_error();
+}
+
+int64_t moe_align_workspace_ints(int64_t pairs, int64_t experts) {
+  return pairs < kAlignTiledMinPairs ? 0 : ceil_div(pairs, kAlignTile) * experts;
 }
 
 const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t addend, uintptr_t out, int64_t tokens,
@@ -509,11 +660,16 @@ const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t
   if (tokens < 0 || top_k < 1 || dim < 1) return "moe_combine: needs tokens >= 0, top_k >= 1, dim >= 1";
   if (tokens == 0) return nullptr;
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "moe_combine", [&]() {
-    moe_combine_kernel<scalar_t><<<elementwise_blocks(tokens * dim), kThreads, 0, as_stream(stream)>>>(
-        reinterpret_cast<const scalar_t*>(y), reinterpret_cast<const int64_t*>(pos),
-        reinterpret_cast<const float*>(weights), reinterpret_cast<const scalar_t*>(addend),
-        reinterpret_cast<scalar_t*>(out), tokens, static_cast<int>(top_k), dim, pick_stride);
-    return last_launch_error();
+    constexpr int kN = 16 / sizeof(scalar_t);
+    const bool vec = y % 16 == 0 && addend % 16 == 0 && out % 16 == 0 && dim % kN == 0;
+    auto launch = [&](auto kernel, int n) {
+      kernel<<<elementwise_blocks(tokens * dim / n), kThreads, 0, as_stream(stream)>>>(
+          reinterpret_cast<const scalar_t*>(y), reinterpret_cast<const int64_t*>(pos),
+          reinterpret_cast<const float*>(weights), reinterpret_cast<const scalar_t*>(addend),
+          reinterpret_cast<scalar_t*>(out), tokens, static_cast<int>(top_k), dim, pick_stride);
+      return last_launch_error();
+    };
+    return vec ? launch(moe_combine_kernel<scalar_t, kN>, kN) : launch(moe_combine_kernel<scalar_t, 1>, 1);
   });
 }
 

@@ -210,9 +210,11 @@ const char* moe_route(uintptr_t logits, int64_t logits_stride, uintptr_t bias, i
 // experts)). Groups the pairs by expert, in pair order within an expert:
 // pos int64 [pairs] = each pair's row in the grouped order, src_token int64
 // [pairs] = the token of each grouped row, ends int32 [experts] = where each
-// expert's rows end (cumulative counts). At most 1024 experts.
+// expert's rows end (cumulative counts). At most 1024 experts. workspace:
+// moe_align_workspace_ints(pairs, experts) int32 of scratch (0: none needed).
 const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top_k, uintptr_t src_token, uintptr_t pos,
-                      uintptr_t ends, uintptr_t stream);
+                      uintptr_t ends, uintptr_t workspace, uintptr_t stream);
+int64_t moe_align_workspace_ints(int64_t pairs, int64_t experts);
 
 // advance_decode: multi-step decoding's per-step update of the decode buffers.
 // rows int64 [7, row_stride]: input_ids | positions | slot_mapping |

@@ -93,7 +93,8 @@ def test_silu_mul(dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 32, 128), (17, 3, 40), (64, 32, 128)])
+# head dims a multiple of 8 take the 16-byte path; 7 and 20 (bf16/fp16) the element-by-element one
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 32, 128), (17, 3, 40), (64, 32, 128), (9, 5, 7), (6, 2, 20)])
 def test_kda_gate(dtype, tokens, heads, head_dim):
     f = (torch.randn(tokens, heads * head_dim) * 8).to(dtype)  # some above 20: softplus's identity branch
     f[0, :5] = torch.tensor([25.0, 20.5, 19.5, -30.0, 0.0]).to(dtype)
@@ -121,7 +122,9 @@ def test_moe_route(tokens, experts, top_k, renorm):
     assert rel_err(weights, w_ref) < 1e-5
 
 
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (64, 16, 4), (2000, 64, 6), (3, 1024, 2)])
+# from 3072 pairs the tiled form (two launches, tiles of 2048 pairs): 4096 pairs and more here
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (64, 16, 4), (2000, 64, 6), (3, 1024, 2), (1024, 16, 4),
+                                                  (8000, 256, 8), (3000, 1024, 1), (70000, 16, 4)])
 def test_moe_align(tokens, experts, top_k):
     scores = torch.rand(tokens, experts)
     scores[:, : experts // 4] += 0.5  # skewed: some experts get no pair
@@ -143,7 +146,6 @@ def test_moe_combine(dtype, tokens, top_k, dim, with_addend):
     _poison_allocator()
     out = fused.moe_combine(y.cuda(), pos.cuda(), weights.cuda(), None if addend is None else addend.cuda())
     assert rel_err(out, fused.moe_combine_ref(y, pos, weights, addend)) < TOL[dtype]
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

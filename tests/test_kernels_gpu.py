@@ -398,6 +398,7 @@ def test_conv1d_update(dtype, B, T, C, W, mode):
     ([1, 2, 3, 40, 5], 300, True),  # shorter than the window, odd channel count, new slots
     ([0, 7, 2], 64, False),  # an empty sequence keeps (or clears) its state
     ([130, 257], 24, True),  # channels fewer than a block
+    ([4, 19, 1], 37, True),  # odd channels: one channel a thread (even counts take two)
 ])  # fmt: skip
 def test_conv1d_prefill(dtype, W, lens, C, separate_out):
     """The packed prefill conv against the decode reference run sequence by sequence: poisoned output,

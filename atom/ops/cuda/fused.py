@@ -28,7 +28,7 @@ from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, dim] with a contiguous last dim (a view when possible)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
@@ -212,8 +212,10 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     flat = ids.contiguous().view(-1)
     src_token, pos = torch.empty_like(flat), torch.empty_like(flat)
     ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    scratch = C().moe_align_workspace_ints(flat.numel(), num_experts)  # many pairs: a tiled form, two launches
+    workspace = torch.empty(scratch, dtype=torch.int32, device=ids.device) if scratch else None
     C().moe_align(flat.data_ptr(), flat.numel(), num_experts, ids.shape[1], src_token.data_ptr(), pos.data_ptr(),
-                  ends.data_ptr(), stream_of(ids.device))  # fmt: skip
+                  ends.data_ptr(), 0 if workspace is None else workspace.data_ptr(), stream_of(ids.device))  # fmt: skip
     return src_token, pos, ends
 
 
