@@ -33,6 +33,9 @@ def upload(values: list, dtype: torch.dtype, device: torch.device | str) -> torc
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():  # a graph would replay the copy from a freed host buffer
+        raise RuntimeError("upload() inside a CUDA graph capture: captured steps read their inputs from static "
+                           "buffers (atom/worker/cuda_graph.py)")
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
