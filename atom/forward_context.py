@@ -17,26 +17,34 @@ zero its slot before use, so a freed slot's stale contents never leak.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator
 
+import numpy as np
 import torch
 
 
-def upload(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on ``device``. To a GPU it goes through pinned memory without waiting: a copy
-    from pageable memory first waits for every kernel queued before it, which would keep the host from
-    preparing a step while the one before runs. torch's caching host allocator keeps the pinned buffer
-    until the copy has run."""
+# numpy converts a list of Python numbers about 4x as fast as torch.tensor does (~10 against ~40 ns an element)
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_, torch.float32: np.float32}
+
+
+def upload(values: list | np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list (or array) as a tensor on ``device``. To a GPU it goes through pinned memory without waiting:
+    a copy from pageable memory first waits for every kernel queued before it, which would keep the host from
+    preparing a step while the one before runs. torch's caching host allocator keeps the pinned buffer until
+    the copy has run."""
     device = torch.device(device)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    host = torch.tensor(values, dtype=dtype) if np_dtype is None else torch.from_numpy(np.asarray(values, np_dtype))
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
+        return host.to(device)
     if torch.cuda.is_current_stream_capturing():  # a graph would replay the copy from a freed host buffer
         raise RuntimeError("upload() inside a CUDA graph capture: captured steps read their inputs from static "
                            "buffers (atom/worker/cuda_graph.py)")
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -93,7 +101,7 @@ class AttentionMetadata:
     @cached_property
     def token_seq_ids(self) -> torch.Tensor:
         """[T] int64: the sequence each token of the flat batch belongs to."""
-        ids = [b for b, n in enumerate(self.query_lens) for _ in range(n)]
+        ids = np.repeat(np.arange(self.num_seqs), np.asarray(self.query_lens, np.int64))
         return upload(ids, torch.long, self.device)
 
     @cached_property
@@ -140,19 +148,24 @@ def build_attention_metadata(
     per_token_state_seqs: tuple[int, ...] = (),
 ) -> AttentionMetadata:
     """Flat step metadata from per-sequence counters (the runner's only job here)."""
-    starts = [0]
-    slots: list[int] = []
-    for n, ctx_len, table in zip(query_lens, context_lens, block_tables):
-        starts.append(starts[-1] + n)
-        for pos in range(ctx_len, ctx_len + n):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    starts = [0, *itertools.accumulate(query_lens)]
+    for b, (n, ctx_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+        if n and (ctx_len + n - 1) // block_size >= len(table):
+            raise IndexError(f"sequence {b}: position {ctx_len + n - 1} is past its {len(table)} blocks")
     width = max((len(t) for t in block_tables), default=0) or 1
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    tables = np.array([t + [0] * (width - len(t)) for t in block_tables], np.int64).reshape(len(block_tables), width)
+    # Each token's cache slot: its sequence's block for its position, then the offset in the block.
+    lens = np.asarray(query_lens, np.int64)
+    seq = np.repeat(np.arange(len(lens)), lens)
+    # the step's token i, the j-th of sequence b, sits at position context_lens[b] + j = i + context_lens[b] - starts[b]
+    shift = np.asarray(context_lens, np.int64) - np.asarray(starts[:-1], np.int64)
+    positions = np.arange(starts[-1]) + np.repeat(shift, lens)
+    slots = tables[seq, positions // block_size] * block_size + positions % block_size
     return AttentionMetadata(
         query_start_loc=starts,
         context_lens=list(context_lens),
         seq_lens=[c + n for c, n in zip(context_lens, query_lens)],
-        block_tables=upload(padded, torch.long, device).view(len(block_tables), width),
+        block_tables=upload(tables, torch.long, device),
         slot_mapping=upload(slots, torch.long, device),
         state_slots=upload(state_slots, torch.long, device),
         block_size=block_size,
