@@ -61,6 +61,7 @@ class AttentionMetadata:
     # token j goes to state_out_slots[b] + j, so the next step can resume from any accepted one.
     state_out_slots: torch.Tensor | None = None
     per_token_state_seqs: tuple[int, ...] = ()
+    positions: torch.Tensor | None = None  # [T] int64: each token's position (context_lens[b] + j)
 
     def __post_init__(self) -> None:
         if self.state_out_slots is None:
@@ -171,4 +172,5 @@ def build_attention_metadata(
         block_size=block_size,
         state_out_slots=None if state_out_slots is None else upload(state_out_slots, torch.long, device),
         per_token_state_seqs=tuple(per_token_state_seqs),
+        positions=upload(positions, torch.long, device),
     )

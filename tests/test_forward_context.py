@@ -21,14 +21,15 @@ def test_metadata_matches_its_definition_token_by_token():
         slots = [rng.randint(-1, 9) for _ in range(batch)]
         md = build_attention_metadata(query_lens, context_lens, tables, slots, block_size)
 
-        expected_slots, seq_ids, seq_lens = [], [], []
+        expected_slots, seq_ids, seq_lens, positions = [], [], [], []
         for b, (n, c, table) in enumerate(zip(query_lens, context_lens, tables)):
             for j in range(n):
                 pos = c + j
                 expected_slots.append(table[pos // block_size] * block_size + pos % block_size)
                 seq_ids.append(b)
                 seq_lens.append(pos + 1)
-        assert md.slot_mapping.tolist() == expected_slots
+                positions.append(pos)
+        assert md.slot_mapping.tolist() == expected_slots and md.positions.tolist() == positions
         assert md.slot_mapping.dtype == md.block_tables.dtype == torch.int64
         assert md.token_seq_ids.tolist() == seq_ids and md.token_seq_lens.tolist() == seq_lens
         assert md.query_start_loc == [0, *torch.tensor(query_lens, dtype=torch.long).cumsum(0).tolist()]

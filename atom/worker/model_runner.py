@@ -179,7 +179,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.covers(rows):
             ids, patch = self._token_ids(rows, on_device=chained)
             return self.decode_graphs.replay(ids, rows, patch), list(range(len(rows) + 1))
-        input_ids, positions = self._flat_inputs(rows)
+        ids, _ = self._token_ids(rows)
         meta = build_attention_metadata(
             query_lens=[len(s.token_ids) for s in rows],
             context_lens=[s.context_len for s in rows],
@@ -191,7 +191,7 @@ class ModelRunner:
             per_token_state_seqs=tuple(i for i, s in enumerate(rows) if s.draft_token_ids),
         )
         with set_forward_context(ForwardContext(meta, self.caches)):
-            return self.model(input_ids, positions), meta.query_start_loc
+            return self.model(upload(ids, torch.long, self.device), meta.positions), meta.query_start_loc
 
     def _token_ids(self, rows: list[ScheduledRequest], on_device: bool = False) -> tuple[list[int], InputPatch | None]:
         """The step's input ids, placeholders filled in with the token each request sampled last.
@@ -223,11 +223,6 @@ class ModelRunner:
             return ids, None
         last_tokens = newest.tokens[-1]
         return ids, (positions, last_tokens[as_index(columns, last_tokens.device)])
-
-    def _flat_inputs(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, _ = self._token_ids(rows)
-        pos = [p for s in rows for p in range(s.context_len, s.context_len + len(s.token_ids))]
-        return upload(ids, torch.long, self.device), upload(pos, torch.long, self.device)
 
     def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False) -> None:
         """Plain sampling: one token from the last position of each row that samples without drafts.

@@ -63,12 +63,10 @@ class MTPDrafter:
         return dict(row=s, context=s.context_len, ids=following, hidden=ctx.hidden_states[start : start + valid])
 
     def _run(self, ctx: DraftContext, rows: list[dict], ids: list[list[int]], hidden: list, depth: int):
-        offsets, flat_ids, positions = [], [], []
+        flat_ids = []
         for r, row_ids in zip(rows, ids):
             r["offset"] = len(flat_ids)
-            offsets.append(len(flat_ids))
             flat_ids.extend(row_ids)
-            positions.extend(range(r["context"], r["context"] + len(row_ids)))
         device = ctx.hidden_states.device
         meta = build_attention_metadata(
             query_lens=[len(x) for x in ids],
@@ -81,7 +79,7 @@ class MTPDrafter:
         with set_forward_context(ForwardContext(meta, ctx.caches)):
             return self.model.mtp_forward(
                 upload(flat_ids, torch.long, device),
-                upload(positions, torch.long, device),
+                meta.positions,
                 torch.cat(hidden, dim=0),
                 depth,
             )
