@@ -7,6 +7,12 @@ with EOS ignored so every request produces exactly --output-len tokens:
     python bench/offline_throughput.py                      # 64 x (128 in, 64 out), fp32
     python bench/offline_throughput.py --num-requests 8 --input-len 32 --output-len 16
 
+The AsyncEngine row runs the same prompts through the server's engine (its
+forwards on a worker thread, all requests streamed at once); its ratio to
+LLM.generate shows what serving costs over offline runs. It runs in a process
+of its own, as the server does: once two threads of a process have run
+torch's OpenMP regions, every small CPU op waits on a thread wake-up.
+
 The scheduler row times ``Scheduler.schedule()`` + ``Scheduler.update()``
 alone, with --sched-requests decoding requests and a runner that answers a
 fixed token instead of running a model: the CPU cost the engine adds to
@@ -16,6 +22,7 @@ every step, whatever the model.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 import time
@@ -65,6 +72,38 @@ def bench_atom(model: str, prompts: list[list[int]], output_len: int, max_num_se
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
     return elapsed, [o.outputs[0].token_ids for o in outs]
+
+
+def bench_async_engine(model: str, prompts: list[list[int]], output_len: int, max_num_seqs: int,
+                       threads: int | None):
+    """Seconds for the same prompts streamed at once through AsyncEngine, and the generated ids."""
+    import asyncio
+
+    from atom import AsyncEngine
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    max_len = len(prompts[0]) + output_len + 1
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)
+
+    async def run():
+        async with AsyncEngine.from_config(model=model, dtype="float32", max_num_seqs=max_num_seqs,
+                                           max_model_len=max_len, max_num_batched_tokens=max(2048, max_len)) as engine:
+
+            async def one(request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
+                async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
+                    pass
+                return out.outputs[0].token_ids
+
+            await one("warm-up", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2))
+            start = time.perf_counter()
+            ids = await asyncio.gather(*(one(f"r{i}", p, params) for i, p in enumerate(prompts)))
+            return time.perf_counter() - start, ids
+
+    elapsed, ids = asyncio.run(run())
+    assert all(len(i) == output_len for i in ids)
+    return elapsed, ids
 
 
 def bench_hf(model: str, prompts: list[list[int]], output_len: int):
@@ -134,6 +173,11 @@ def main() -> None:
 
     atom_s, atom_ids = bench_atom(args.model, prompts, out_len, args.max_num_seqs or n)
     rows = [("ATOM LLM.generate", atom_s)]
+    # in a process of its own, as `atom-engine serve` runs it: this process's threads have run torch ops
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        async_s, async_ids = pool.apply(bench_async_engine, (args.model, prompts, out_len, args.max_num_seqs or n,
+                                                            args.threads))
+    same_async = sum(a == b for a, b in zip(atom_ids, async_ids))
     if not args.skip_hf:
         hf_s, hf_ids = bench_hf(args.model, prompts, out_len)
         rows.append(("transformers generate (batched)", hf_s))
@@ -141,6 +185,10 @@ def main() -> None:
     for name, seconds in rows:
         total = n * (args.input_len + out_len)
         print(f"{name:<34}{seconds:>10.2f}{n * out_len / seconds:>12.1f}{total / seconds:>13.1f}")
+    print(f"{'ATOM AsyncEngine (all streamed)':<34}{async_s:>10.2f}{n * out_len / async_s:>12.1f}"
+          f"{n * (args.input_len + out_len) / async_s:>13.1f}")
+    print(f"{'AsyncEngine / LLM.generate':<34}{'':>10}{atom_s / async_s:>11.2f}x   "
+          f"(same greedy outputs for {same_async}/{n} requests)")
     if len(rows) == 2:
         print(f"{'ATOM / transformers':<34}{'':>10}{rows[1][1] / rows[0][1]:>11.2f}x")
         same = sum(a == b for a, b in zip(atom_ids, hf_ids))

@@ -297,6 +297,48 @@ async def test_engine_embedded_in_an_app_with_its_own_tasks(llama_ckpt):
         tick_task.cancel()
 
 
+async def test_engine_builds_and_runs_its_model_on_the_forward_thread(llama_ckpt, monkeypatch):
+    """The model is built on the thread that runs its forwards, not on the loop's thread: once two threads
+    have run OpenMP regions, every small CPU op waits on a thread wake-up (CPU steps took 4x longer)."""
+    import threading
+
+    from atom import AsyncEngine, SamplingParams
+    from atom.worker.model_runner import ModelRunner
+
+    threads: dict[str, set[int]] = {"build": set(), "forward": set()}
+    build, forward = ModelRunner.__init__, ModelRunner.execute_model
+
+    def recorded_build(self, *args, **kwargs):
+        threads["build"].add(threading.get_ident())
+        build(self, *args, **kwargs)
+
+    def recorded_forward(self, *args, **kwargs):
+        threads["forward"].add(threading.get_ident())
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "__init__", recorded_build)
+    monkeypatch.setattr(ModelRunner, "execute_model", recorded_forward)
+    async with AsyncEngine.from_config(model=llama_ckpt, dtype="float32") as engine:
+        async for out in engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)):
+            pass
+        assert len(out.outputs[0].token_ids) == 4
+    assert len(threads["build"]) == 1 and threads["forward"] == threads["build"]
+    assert threading.get_ident() not in threads["build"]
+
+
+async def test_engine_that_fails_to_build_raises_and_leaves_no_thread(tmp_path):
+    import threading
+
+    from atom import AsyncEngine
+
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"], "max_position_embeddings": 64}')
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="NoSuchModel"):
+        AsyncEngine.from_config(model=str(tmp_path))
+    left = {t.name for t in threading.enumerate()} - before
+    assert not any(name.startswith("atom-forward") for name in left), left
+
+
 def test_speculative_decoding_metrics(llama_ckpt):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with ServerThread(llama_ckpt, speculative_config=spec) as server:
