@@ -97,8 +97,9 @@ def _engine_flags() -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=_json_object, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         "(methods: ngram, mtp)")
-    g.add_argument("--async-scheduling", action="store_true", default=None,
-                   help="overlap: plan and queue the next step while the current one runs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap: plan and queue the next step while the current one runs (default: on for "
+                        "CUDA devices, off on the CPU)")
     g.add_argument("--num-scheduler-steps", type=int, metavar="K",
                    help="multi-step decoding: when every running request is decoding, run up to K decode "
                         "steps per scheduling round, so scheduling and output handling are paid once per K "

@@ -91,7 +91,9 @@ class EngineConfig:
     device: str = "cpu"
     tokenizer: str | None = None
     speculative_config: SpeculativeConfig | None = None
-    async_scheduling: bool = False  # overlap: plan step N+1 while step N runs
+    # overlap: plan step N+1 while step N runs. None: on for CUDA devices, where a step's host work (scheduling,
+    # inputs, outputs) would otherwise leave the GPU idle; off on the CPU, where both threads share the cores
+    async_scheduling: bool | None = None
     kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps (CPU always runs eagerly)
     num_scheduler_steps: int = 1  # multi-step decoding: up to this many decode steps per scheduling round
@@ -129,7 +131,27 @@ class EngineConfig:
             from atom.kv_transfer.base import KVTransferConfig
 
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
+        device = self._validated_device()
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", device.type == "cuda")
         self._validate_scheduler_steps()
+
+    def _validated_device(self) -> torch.device:
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r} is not supported; use --device cpu, cuda or cuda:N")
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                raise ValueError(f"device {self.device!r}: this torch ({torch.__version__}) sees no CUDA GPU; "
+                                 "use --device cpu, or install a CUDA build of torch on a GPU machine")
+            if device.index is not None and device.index >= count:
+                raise ValueError(f"device {self.device!r}: only {count} CUDA GPU(s) visible; "
+                                 f"use cuda:0 to cuda:{count - 1}")
+        return device
 
     def _validate_scheduler_steps(self) -> None:
         if self.num_scheduler_steps < 1:

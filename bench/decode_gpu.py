@@ -14,6 +14,9 @@ cost cancels; prefix caching is off so both runs prefill fully. The roofline
 is the bytes one decode step must read and write (weights, with the experts a
 batch is expected to touch, plus each sequence's KV rows and KDA state) over
 the copy bandwidth measured here; its fraction is measured / roofline tok/s.
+
+The "atom" column runs one step at a time (--no-async-scheduling); the
+engine's default on a GPU is the "async" column (--async-too).
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ def prefill_seconds(path: str, prompts: list[list[int]], budget: int, var: str, 
     from atom import LLM, SamplingParams
 
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=len(prompts), max_model_len=len(prompts[0]) + 8,
-              max_num_batched_tokens=budget, enable_prefix_caching=False)  # fmt: skip
+              max_num_batched_tokens=budget, enable_prefix_caching=False,
+              async_scheduling=False)  # fmt: skip  (one step at a time, as in the notes' earlier figures)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
 
     def run(form: str) -> float:

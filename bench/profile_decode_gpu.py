@@ -62,7 +62,7 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
     prompts = torch.randint(3, 32000, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
     kwargs = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=64 + new_tokens + 8,
                   max_num_batched_tokens=max(2048, batch * 64), enable_prefix_caching=False)  # fmt: skip
-    llm = LLM(path, **kwargs)
+    llm = LLM(path, async_scheduling=False, **kwargs)
     step = _step_ms(llm, prompts, new_tokens)
     runner = llm.engine.runner
     graphs = runner.decode_graphs
@@ -82,7 +82,7 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
           flush=True)  # fmt: skip
     print(f"   one replay: host enqueue {enqueue:.3f} ms, device time between events {device_ms:.3f} ms")
 
-    llm = LLM(path, **kwargs)
+    llm = LLM(path, async_scheduling=False, **kwargs)
     _step_ms(llm, prompts, new_tokens)  # the static buffers now hold a real step's rows (padding rows skip KDA/MLA)
     graphs = llm.engine.runner.decode_graphs
     graphs._launch(size)

@@ -96,7 +96,7 @@ def main() -> None:
         ])
         for name, path in (("Llama", llama), ("Kimi-Linear", kimi)):
             table(f"{name}: overlap (async scheduling) off vs on", path, reqs, params, [
-                ("overlap off", {}),
+                ("overlap off", {"async_scheduling": False}),
                 ("overlap on", {"async_scheduling": True}),
             ])
 

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from atom import cli
 
@@ -19,7 +20,7 @@ ENGINE_FLAGS = [
     "--model", "--tokenizer", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
     "--no-enable-chunked-prefill", "--num-gpu-blocks-override", "--kv-cache-memory", "--seed", "--device",
-    "--speculative-config", "--async-scheduling", "--enforce-eager", "--num-scheduler-steps",
+    "--speculative-config", "--async-scheduling", "--no-async-scheduling", "--enforce-eager", "--num-scheduler-steps",
 ]
 SERVE_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--no-uvloop"]
 GENERATE_FLAGS = ["--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--ignore-eos"]
@@ -85,6 +86,10 @@ def test_bad_flag_is_one_line_naming_it(tmp_path):
         (["--num-scheduler-steps", "0"], "num_scheduler_steps"),
         (["--num-scheduler-steps", "4", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
          "does not combine with speculative decoding"),
+        (["--device", "gpu"], "device 'gpu' is not supported; use --device cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "device 'cuda:x' is not supported"),
+        (["--device", "cuda:99"] if torch.cuda.is_available() else ["--device", "cuda"],
+         "only" if torch.cuda.is_available() else "sees no CUDA GPU; use --device cpu"),
     ],
 )
 def test_bad_values_are_one_line_without_traceback(kimi_ckpt, capsys, args, expect):
@@ -117,6 +122,16 @@ def test_flags_map_onto_engine_config(kimi_ckpt):
     assert config.num_scheduler_steps == 1
     args = cli.build_parser().parse_args(["serve", "--model", kimi_ckpt, "--num-scheduler-steps", "8"])
     assert cli.engine_config_from_args(args).num_scheduler_steps == 8
+
+
+def test_async_scheduling_defaults_to_the_device(kimi_ckpt):
+    """Overlap is on by default for CUDA devices (tests/test_gpu_engine.py) and off on the CPU; both flags win."""
+    def config(*flags):
+        return cli.engine_config_from_args(cli.build_parser().parse_args(["serve", "--model", kimi_ckpt, *flags]))
+
+    assert config().async_scheduling is False
+    assert config("--async-scheduling").async_scheduling is True
+    assert config("--no-async-scheduling").async_scheduling is False
 
 
 @pytest.mark.parametrize("text, size", [("1024", 1024), ("512M", 512 << 20), ("2G", 2 << 30), ("1.5GiB", 3 << 29)])

@@ -104,9 +104,19 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
     assert not graph_replays
     # 6 prompts over 4 sequences: decode batches of 4, 3 (padded to 4), 2 and 1; a budget of
     # 16 tokens also mixes prefill chunks into some steps (those run eagerly)
-    graphs = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16)
+    graphs = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16)  # overlapped: the default
     assert graph_replays and max(graph_replays) == 4
-    assert graphs == eager == cpu
+    sync = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=False)
+    assert graphs == sync == eager == cpu
+
+
+def test_gpu_overlap_is_the_default_on_cuda(tmp_path):
+    from atom.config import EngineConfig
+
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    assert EngineConfig(model=path, device="cuda").async_scheduling is True
+    assert EngineConfig(model=path, device="cuda", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(model=path).async_scheduling is False  # the CPU
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
