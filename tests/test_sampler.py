@@ -189,6 +189,26 @@ def test_unseeded_sampling_follows_global_seed():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("filters", [{}, {"top_k": 1 << 30}, {"min_p": 0.05}, {"top_p": 0.9}, {"top_k": 7}])
+def test_unused_filters_are_skipped_without_changing_a_token(filters):
+    """The sampler skips top-k/top-p (a sort) and min-p when no row asks for them; forcing every stage
+    on draws the same tokens, and a top_k past the vocabulary filters nothing."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    params = [SamplingParams(temperature=0.7, seed=i, **(filters if i % 2 else {})) for i in range(6)]
+    batch = make_batch(params, [seeded(i) for i in range(6)])
+    assert batch.any_top_k_top_p == any(k in filters for k in ("top_p", "top_k"))
+    assert batch.any_min_p == ("min_p" in filters)
+    assert batch.top_k.dtype == torch.int64 and batch.top_k.tolist()[1] == min(filters.get("top_k", 0), 1 << 24)
+    every = dataclasses.replace(batch, generators=[seeded(i) for i in range(6)], any_top_k_top_p=True,
+                                any_min_p=True)  # fmt: skip
+    for _ in range(20):
+        assert Sampler()(logits, batch).sampled_token_ids.tolist() == \
+            Sampler()(logits, every).sampled_token_ids.tolist()  # fmt: skip
+
+
 def test_temperature_sampling_matches_softmax():
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -2.0])
     temperature, rows, steps = 0.7, 2000, 10
