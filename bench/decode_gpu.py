@@ -5,6 +5,7 @@
     python bench/decode_gpu.py --eager-too           # also ATOM with --enforce-eager (no CUDA graphs)
     python bench/decode_gpu.py --async-too           # also ATOM with async scheduling (overlap)
     python bench/decode_gpu.py --multi-step 8        # also ATOM with --num-scheduler-steps 8
+    python bench/decode_gpu.py --temperature 0.8 --top-p 0.95 --async-too   # sampled, not greedy
 
 The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
@@ -99,7 +100,8 @@ def timed(fn) -> float:
 
 
 def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False,
-                    async_scheduling: bool = False, num_scheduler_steps: int = 1) -> float:
+                    async_scheduling: bool = False, num_scheduler_steps: int = 1, temperature: float = 0.0,
+                    top_p: float = 1.0) -> float:
     from atom import LLM, SamplingParams
 
     batch = len(prompts)
@@ -110,7 +112,7 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
               num_scheduler_steps=num_scheduler_steps)  # fmt: skip
 
     def run(n):
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
+        params = SamplingParams(temperature=temperature, top_p=top_p, ignore_eos=True, max_tokens=n)
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     run(1 + new_tokens)  # warm-up, multi-step rounds included
@@ -122,13 +124,15 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
     return batch * new_tokens / (tn - t1)
 
 
-def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int) -> float:
+def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
+                  top_p: float = 1.0) -> float:
     ids = torch.tensor(prompts, device="cuda")
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
 
     def run(n):
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                           eos_token_id=None)  # fmt: skip
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None,
+                           **({"do_sample": False} | sampling))  # fmt: skip
 
     run(2)
     t1 = timed(lambda: run(1))
@@ -149,6 +153,9 @@ def main() -> None:
                    help="also run ATOM with async scheduling (and, with --multi-step, multi-step + async)")
     p.add_argument("--multi-step", type=int, default=0, metavar="K",
                    help="also run ATOM with num_scheduler_steps=K (multi-step decoding)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (both engines; default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (default 1)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("atom.worker.cuda_graph").setLevel(logging.INFO)  # says whether graphs were captured
@@ -183,7 +190,7 @@ def main() -> None:
         roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
         print(f"batch {batch}: atom {atom}, atom multi-step {multi}, multi-step + async {multi_overlap}, "
               f"roofline {roof:.0f} tok/s; transformers next", flush=True)  # fmt: skip
-        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len)
+        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len, args.temperature, args.top_p)
         rows.append((batch, atom, eager, overlap, multi, multi_overlap, hf, roof))
         print(f"batch {batch}: atom eager {eager}, atom async {overlap}, transformers {hf}", flush=True)
 
@@ -203,7 +210,7 @@ def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = 
               async_scheduling: bool = False, num_scheduler_steps: int = 1) -> float | None:
     try:
         return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling,
-                               num_scheduler_steps)  # fmt: skip
+                               num_scheduler_steps, args.temperature, args.top_p)  # fmt: skip
     except Exception as e:  # report and keep the other numbers
         print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}, num_scheduler_steps="
               f"{num_scheduler_steps}) failed at batch {batch}: {type(e).__name__}: {e}")

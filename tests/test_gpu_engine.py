@@ -161,6 +161,46 @@ def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_pa
     assert chained == cpu
 
 
+def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, monkeypatch):
+    """Overlap chains sampled steps too (the sampler runs on the device): seeded requests draw the same
+    tokens chained as one step at a time. Not chained: rows with penalties (they need the host), and a
+    batch smaller than CHAIN_FILTERED_MIN_ROWS that filters by top-p."""
+    from atom import LLM
+    from atom.worker.cuda_graph import DecodeGraphs
+    from atom.worker.model_runner import CHAIN_FILTERED_MIN_ROWS
+
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    patched: list[bool] = []
+    inner = DecodeGraphs._fill
+
+    def counting(self, input_ids, rows, patch):
+        patched.append(patch is not None)
+        return inner(self, input_ids, rows, patch)
+
+    monkeypatch.setattr(DecodeGraphs, "_fill", counting)
+
+    def run(prompts, overlap: bool, seqs: int, **sampling) -> tuple[list[list[int]], int]:
+        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=seqs, async_scheduling=overlap)
+        params = [SamplingParams(seed=i, max_tokens=30, ignore_eos=True, **sampling) for i in range(len(prompts))]
+        patched.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.all_resources_free()
+        return [o.outputs[0].token_ids for o in outs], sum(patched)
+
+    many = [[3 + i, 4 + i, 5 + 2 * i] for i in range(CHAIN_FILTERED_MIN_ROWS)]
+    cases = [(PROMPTS, 4, {"temperature": 0.9}, True),  # temperature only: chained at any batch size
+             (PROMPTS, 4, {"temperature": 0.9, "top_p": 0.9}, False),  # a small batch with top-p: not chained
+             (many, len(many), {"temperature": 0.9, "top_p": 0.9, "top_k": 40}, True),
+             (PROMPTS, 4, {"temperature": 0.9, "repetition_penalty": 1.3}, False)]  # fmt: skip
+    for prompts, seqs, sampling, chains in cases:
+        sync, none = run(prompts, False, seqs, **sampling)
+        overlapped, chained = run(prompts, True, seqs, **sampling)
+        assert none == 0 and (chained >= 3) == chains, (sampling, chained)
+        assert overlapped == sync, sampling
+    greedy = _generate(path, device="cuda", max_num_seqs=4)
+    assert sum(s != g[:30] for s, g in zip(run(PROMPTS, True, 4, temperature=0.9)[0], greedy)) >= 3  # sampled
+
+
 def test_gpu_decode_inputs_are_written_without_waiting_for_the_stream():
     """With async scheduling the next step's inputs are written while the step before still runs on
     the GPU. The uploads must not wait for the stream (a copy from pageable memory would), and must

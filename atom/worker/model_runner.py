@@ -25,6 +25,11 @@ from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
 
 
+# Smallest batch whose sampled steps chain on the device when a row filters by top-k/top-p (see _chains):
+# measured a gain at 16 and 64 rows and a loss at 1; between them it was not measured.
+CHAIN_FILTERED_MIN_ROWS = 16
+
+
 @dataclass
 class CachedRequestState:
     prompt_token_ids: list[int]
@@ -35,8 +40,14 @@ class CachedRequestState:
     @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits: greedy, no penalties, no logprobs (the sampler's fast path)."""
+        return self.sampling_params.greedy and self.chainable
+
+    @property
+    def chainable(self) -> bool:
+        """Its sampled token may stay on the device: no penalties (they count the token history on the
+        host) and no logprobs (they go to the host with the token). Greedy or random, seeded or not."""
         p = self.sampling_params
-        return p.greedy and p.logprobs is None and not p.has_penalties
+        return p.logprobs is None and not p.has_penalties
 
 
 class ModelRunner:
@@ -119,11 +130,22 @@ class ModelRunner:
         return out
 
     def _chains(self, sched: SchedulerOutput) -> bool:
-        """Whether this step runs ahead of the host (deferred tokens): greedy pure decode on the
-        graphs, every row sampling, with async scheduling and no drafter."""
+        """Whether this step runs ahead of the host (deferred tokens): pure decode on the graphs, every
+        row sampling without penalties or logprobs, with async scheduling and no drafter. A round of
+        several steps chains greedy rows only (``_execute_steps`` samples the others on the host)."""
         rows, graphs = sched.scheduled, self.decode_graphs
-        return (self.defer_tokens and graphs is not None and graphs.covers(rows) and all(s.sample for s in rows)
-                and all(self.requests[s.request_id].plain_greedy for s in rows))  # fmt: skip
+        if not (self.defer_tokens and graphs is not None and graphs.covers(rows) and all(s.sample for s in rows)):
+            return False
+        states = [self.requests[s.request_id] for s in rows]
+        if all(st.plain_greedy for st in states):
+            return True
+        if sched.num_steps > 1 or not all(st.chainable for st in states):
+            return False
+        # Sampled rows chain too, except in a small batch that filters by top-k/top-p: there the sampler's host
+        # work (a sort and a dozen more ops) outweighs the step on the GPU, and chained it ran slower (H200,
+        # batch 1, top-p 0.95: 622-675 tok/s chained against 835-897 one step at a time; GPU_NOTES, session 20).
+        filters = any(st.sampling_params.top_k > 0 or st.sampling_params.top_p < 1 for st in states)
+        return not filters or len(rows) >= CHAIN_FILTERED_MIN_ROWS
 
     def _resolve_deferred(self) -> None:
         """Every step's tokens on the host (waits for the copies still in flight)."""
@@ -226,35 +248,39 @@ class ModelRunner:
 
     def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False) -> None:
         """Plain sampling: one token from the last position of each row that samples without drafts.
-        ``defer`` (a chained step: every row greedy and sampling): the tokens stay on the device."""
+        ``defer`` (a chained step, see ``_chains``): the tokens stay on the device."""
         picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
         last = as_index([starts[i + 1] - 1 for i, _ in picked], self.device)
         logits = self.model.compute_logits(hidden[last])
-        if defer:
-            self._defer(logits.argmax(dim=-1).unsqueeze(0), [s for _, s in picked], out)
-            return
         states = [self.requests[s.request_id] for _, s in picked]
-        if all(st.plain_greedy for st in states):  # no per-row parameters to upload
+        greedy = all(st.plain_greedy for st in states)  # no per-row parameters to upload
+        if defer:  # every row chainable: the sampler reads no token history and nothing goes to the host
+            tokens = logits.argmax(dim=-1) if greedy else self.sampler(logits, self._batch(states)).sampled_token_ids
+            self._defer(tokens.unsqueeze(0), [s for _, s in picked], out)
+            return
+        if greedy:
             for (_, s), st, token in zip(picked, states, self._to_host(logits.argmax(dim=-1))):
                 st.output_token_ids.append(token)
                 out.sampled[s.request_id] = [token]
             return
-        batch = SamplingBatch.from_params(
-            [st.sampling_params for st in states],
-            [st.generator for st in states],
-            [st.prompt_token_ids for st in states],
-            [st.output_token_ids for st in states],
-            device=self.device,
-        )
-        result = self.sampler(logits, batch)
+        result = self.sampler(logits, self._batch(states))
         tokens = result.sampled_token_ids.tolist()
         for (_, s), st, token, lp in zip(picked, states, tokens, result.logprobs):
             st.output_token_ids.append(token)
             out.sampled[s.request_id] = [token]
             if lp is not None:
                 out.logprobs[s.request_id] = [lp]
+
+    def _batch(self, states: list[CachedRequestState]) -> SamplingBatch:
+        return SamplingBatch.from_params(
+            [st.sampling_params for st in states],
+            [st.generator for st in states],
+            [st.prompt_token_ids for st in states],
+            [st.output_token_ids for st in states],
+            device=self.device,
+        )
 
     def _to_host(self, ids: torch.Tensor) -> list[int]:
         """A small int64 device tensor as a list. On a GPU it goes through a pinned buffer and
