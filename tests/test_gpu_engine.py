@@ -164,7 +164,7 @@ def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_pa
 def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, monkeypatch):
     """Overlap chains sampled steps too (the sampler runs on the device): seeded requests draw the same
     tokens chained as one step at a time. Not chained: rows with penalties (they need the host), and a
-    batch smaller than CHAIN_FILTERED_MIN_ROWS that filters by top-p."""
+    batch smaller than CHAIN_FILTERED_MIN_ROWS (a single request) that filters by top-p."""
     from atom import LLM
     from atom.worker.cuda_graph import DecodeGraphs
     from atom.worker.model_runner import CHAIN_FILTERED_MIN_ROWS
@@ -187,10 +187,11 @@ def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, monkey
         assert llm.engine.all_resources_free()
         return [o.outputs[0].token_ids for o in outs], sum(patched)
 
-    many = [[3 + i, 4 + i, 5 + 2 * i] for i in range(CHAIN_FILTERED_MIN_ROWS)]
+    assert CHAIN_FILTERED_MIN_ROWS == 2
     cases = [(PROMPTS, 4, {"temperature": 0.9}, True),  # temperature only: chained at any batch size
-             (PROMPTS, 4, {"temperature": 0.9, "top_p": 0.9}, False),  # a small batch with top-p: not chained
-             (many, len(many), {"temperature": 0.9, "top_p": 0.9, "top_k": 40}, True),
+             (PROMPTS[:2], 1, {"temperature": 0.9}, True),
+             (PROMPTS[:2], 1, {"temperature": 0.9, "top_p": 0.9}, False),  # one request at a time with top-p
+             (PROMPTS, 4, {"temperature": 0.9, "top_p": 0.9, "top_k": 40}, True),
              (PROMPTS, 4, {"temperature": 0.9, "repetition_penalty": 1.3}, False)]  # fmt: skip
     for prompts, seqs, sampling, chains in cases:
         sync, none = run(prompts, False, seqs, **sampling)

@@ -25,9 +25,10 @@ from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
 
 
-# Smallest batch whose sampled steps chain on the device when a row filters by top-k/top-p (see _chains):
-# measured a gain at 16 and 64 rows and a loss at 1; between them it was not measured.
-CHAIN_FILTERED_MIN_ROWS = 16
+# Smallest batch whose sampled steps chain on the device when a row filters by top-k/top-p (see _chains).
+# H200, top-p 0.95, tok/s chained against not: 601 / 849 at 1 row, 1510 / 1544 at 2, 3419 / 2045 at 4,
+# 6103 / 3723 at 8, 9766 / 7153 at 16 (GPU_NOTES, session 20).
+CHAIN_FILTERED_MIN_ROWS = 2
 
 
 @dataclass
@@ -141,9 +142,8 @@ class ModelRunner:
             return True
         if sched.num_steps > 1 or not all(st.chainable for st in states):
             return False
-        # Sampled rows chain too, except in a small batch that filters by top-k/top-p: there the sampler's host
-        # work (a sort and a dozen more ops) outweighs the step on the GPU, and chained it ran slower (H200,
-        # batch 1, top-p 0.95: 622-675 tok/s chained against 835-897 one step at a time; GPU_NOTES, session 20).
+        # Sampled rows chain too, except a single request that filters by top-k/top-p: there the sampler's host
+        # work (a sort and a dozen more ops) outweighs the step on the GPU, and chained it ran slower.
         filters = any(st.sampling_params.top_k > 0 or st.sampling_params.top_p < 1 for st in states)
         return not filters or len(rows) >= CHAIN_FILTERED_MIN_ROWS
 
