@@ -339,6 +339,37 @@ async def test_engine_that_fails_to_build_raises_and_leaves_no_thread(tmp_path):
     assert not any(name.startswith("atom-forward") for name in left), left
 
 
+def test_interrupt_during_a_long_model_build_exits_at_once(tmp_path):
+    """Ctrl-C while AsyncEngine builds its model (on the forward thread) ends the process at once, as it did
+    when the build ran on the caller's thread: exit does not wait for the build. (Inside ``asyncio.run`` the
+    first Ctrl-C only cancels the main task, which a synchronous build does not see, then or now.)"""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "slow_build.py"
+    script.write_text(
+        "import time\n"
+        "import atom.engine.async_engine as ae\n"
+        "def slow_build(config):\n"
+        "    print('building', flush=True)\n"
+        "    time.sleep(60)\n"
+        "ae.EngineCore = slow_build\n"
+        "ae.AsyncEngine(None)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "building"
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        proc.wait(timeout=20)
+        assert time.monotonic() - start < 10
+        assert "KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_speculative_decoding_metrics(llama_ckpt):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with ServerThread(llama_ckpt, speculative_config=spec) as server:

@@ -1,8 +1,9 @@
 """asyncio front end: the step loop runs on the caller's event loop.
 
 Scheduling and bookkeeping happen on the loop; each forward pass runs in one
-worker thread (``run_in_executor``), so the loop keeps answering health
-checks and accepting requests while a step runs. Each request has its own
+worker thread (``ForwardThread``, through ``run_in_executor``), which also
+built the model, so the loop keeps answering health checks and accepting
+requests while a step runs. Each request has its own
 queue of outputs; leaving ``async for`` early (break, cancel, disconnect)
 aborts the request and frees its blocks and slots at once.
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Executor, Future
 from typing import Any, AsyncIterator
 
 from atom.config import EngineConfig, SpeculativeConfig
@@ -30,10 +33,49 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class ForwardThread(Executor):
+    """One thread that runs its jobs in submission order: the engine's build, then its forwards.
+
+    A daemon thread: an interrupt while the model is being built ends the process at once, instead of
+    waiting at exit for the build (a ThreadPoolExecutor's threads are joined at exit)."""
+
+    def __init__(self, name: str = "atom-forward") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if self._closed:
+            raise RuntimeError("the engine's forward thread has been shut down")
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args, kwargs = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward")
+        self._executor = ForwardThread()
         # Built on the forward thread, so that the model's CPU work (loading, warm-up, forwards) runs on one
         # thread: once two threads have each run OpenMP regions, libgomp counts more threads than cores and
         # stops spinning between regions, and every small op waits on a thread wake-up (a CPU decode step
@@ -41,7 +83,7 @@ class AsyncEngine:
         try:
             self.core = self._executor.submit(EngineCore, config).result()
         except BaseException:
-            self._executor.shutdown(wait=True)  # the build has ended: this only joins the thread
+            self._executor.shutdown(wait=False)  # an interrupt leaves the build running: do not wait for it
             raise
         self._queues: dict[str, asyncio.Queue] = {}
         if str(self.config.device).startswith("cuda"):  # a GPU step is shorter than the default 5 ms
