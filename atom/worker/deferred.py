@@ -6,15 +6,15 @@ for N's tokens before returning, the GPU would sit idle from the end of N
 until the runner had filled in N+1's inputs and launched it. Instead, a
 step on the CUDA graphs whose rows sample without penalties or logprobs
 (greedy or random: the sampler runs on the device) returns at once with its
-tokens still on the device: the copy to the host is queued behind them, and the next step takes
-its placeholders from the device tensor (``DeferredTokens.patch``), so it is
-queued right behind N.
+tokens still on the device: the copy to the host is queued behind them, and
+the next step takes its placeholders from the device tensor
+(``DeferredTokens.patch``), so it is queued right behind N.
 
 Whoever needs the tokens on the host first calls ``resolve()``: the engine's
 update of step N, or the runner before a step that must read them there
-(sampling with penalties or logprobs, the eager path). It waits for the copy, appends
-each row's tokens to the runner's per-request history, and fills the step's
-``RunnerOutput``. It runs once (under a lock: the engine's thread and the
+(sampling with penalties or logprobs, the eager path). It waits for the copy,
+appends each row's tokens to the runner's per-request history, and fills the
+step's ``RunnerOutput``. It runs once (under a lock: the engine's thread and the
 runner's may both ask).
 """
 
