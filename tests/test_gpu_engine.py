@@ -141,43 +141,41 @@ def test_gpu_multi_step_rounds_in_graphs_match_cpu_reference(tmp_path, monkeypat
     assert multi == cpu
 
 
-def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_path, monkeypatch):
-    """Async scheduling on the graphs: each greedy step returns with its tokens on the device and the
-    next one takes its inputs from there (atom/worker/deferred.py)."""
+@pytest.fixture
+def patched(monkeypatch):
+    """Per graph replay's buffer fill: whether some of its input ids were taken from the device (a chained
+    step's placeholders, atom/worker/deferred.py)."""
     from atom.worker.cuda_graph import DecodeGraphs
 
-    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
-    cpu = _generate(path)
-    patched: list[bool] = []
+    fills: list[bool] = []
     inner = DecodeGraphs._fill
 
     def counting(self, input_ids, rows, patch):
-        patched.append(patch is not None)
+        fills.append(patch is not None)
         return inner(self, input_ids, rows, patch)
 
     monkeypatch.setattr(DecodeGraphs, "_fill", counting)
+    return fills
+
+
+def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_path, patched):
+    """Async scheduling on the graphs: each greedy step returns with its tokens on the device and the
+    next one takes its inputs from there (atom/worker/deferred.py)."""
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    cpu = _generate(path)
     chained = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=True)
     assert sum(patched) >= 3
     assert chained == cpu
 
 
-def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, monkeypatch):
+def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, patched):
     """Overlap chains sampled steps too (the sampler runs on the device): seeded requests draw the same
     tokens chained as one step at a time. Not chained: rows with penalties (they need the host), and a
     batch smaller than CHAIN_FILTERED_MIN_ROWS (a single request) that filters by top-p."""
     from atom import LLM
-    from atom.worker.cuda_graph import DecodeGraphs
     from atom.worker.model_runner import CHAIN_FILTERED_MIN_ROWS
 
     path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
-    patched: list[bool] = []
-    inner = DecodeGraphs._fill
-
-    def counting(self, input_ids, rows, patch):
-        patched.append(patch is not None)
-        return inner(self, input_ids, rows, patch)
-
-    monkeypatch.setattr(DecodeGraphs, "_fill", counting)
 
     def run(prompts, overlap: bool, seqs: int, **sampling) -> tuple[list[list[int]], int]:
         llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=seqs, async_scheduling=overlap)
