@@ -339,6 +339,30 @@ async def test_engine_that_fails_to_build_raises_and_leaves_no_thread(tmp_path):
     assert not any(name.startswith("atom-forward") for name in left), left
 
 
+def test_forward_thread_runs_jobs_in_order_and_cancels_the_unstarted():
+    from atom.engine.async_engine import ForwardThread
+
+    thread = ForwardThread()
+    order: list[int] = []
+    first = thread.submit(lambda: (time.sleep(0.2), order.append(1)))
+    second = thread.submit(order.append, 2)
+    failing = thread.submit(lambda: 1 / 0)
+    thread.shutdown(wait=True)
+    assert order == [1, 2] and first.done() and second.done()
+    assert isinstance(failing.exception(), ZeroDivisionError)
+    with pytest.raises(RuntimeError, match="shut down"):
+        thread.submit(order.append, 3)
+
+    import threading
+
+    thread, started = ForwardThread(), threading.Event()
+    running = thread.submit(lambda: (started.set(), time.sleep(0.2)))
+    queued = thread.submit(order.append, 4)
+    assert started.wait(10)
+    thread.shutdown(wait=True, cancel_futures=True)
+    assert running.done() and not running.cancelled() and queued.cancelled() and order == [1, 2]
+
+
 def test_interrupt_during_a_long_model_build_exits_at_once(tmp_path):
     """Ctrl-C while AsyncEngine builds its model (on the forward thread) ends the process at once, as it did
     when the build ran on the caller's thread: exit does not wait for the build. (Inside ``asyncio.run`` the

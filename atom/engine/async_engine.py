@@ -65,6 +65,18 @@ class ForwardThread(Executor):
                 future.set_result(result)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:  # jobs not started yet never run
+            pending = []
+            while True:
+                try:
+                    pending.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            for job in pending:
+                if job is not None:
+                    job[0].cancel()
+            if self._closed:
+                self._jobs.put(None)  # the stop mark drained above
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
@@ -80,10 +92,13 @@ class AsyncEngine:
         # thread: once two threads have each run OpenMP regions, libgomp counts more threads than cores and
         # stops spinning between regions, and every small op waits on a thread wake-up (a CPU decode step
         # took 4x longer with the model built on the loop's thread; GPU steps are not affected).
+        build = self._executor.submit(EngineCore, config)
         try:
-            self.core = self._executor.submit(EngineCore, config).result()
+            self.core = build.result()
         except BaseException:
-            self._executor.shutdown(wait=False)  # an interrupt leaves the build running: do not wait for it
+            # A failed build has ended: join its thread. An interrupt leaves the build running; the thread is a
+            # daemon, so the exit does not wait for it.
+            self._executor.shutdown(wait=build.done())
             raise
         self._queues: dict[str, asyncio.Queue] = {}
         if str(self.config.device).startswith("cuda"):  # a GPU step is shorter than the default 5 ms
