@@ -77,5 +77,10 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def filters_top_k_top_p(self) -> bool:
+        """Whether sampling keeps only the top-k tokens or the top-p nucleus (a sort of the vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

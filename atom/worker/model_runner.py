@@ -144,7 +144,7 @@ class ModelRunner:
             return False
         # Sampled rows chain too, except a single request that filters by top-k/top-p: there the sampler's host
         # work (a sort and a dozen more ops) outweighs the step on the GPU, and chained it ran slower.
-        filters = any(st.sampling_params.top_k > 0 or st.sampling_params.top_p < 1 for st in states)
+        filters = any(st.sampling_params.filters_top_k_top_p for st in states)
         return not filters or len(rows) >= CHAIN_FILTERED_MIN_ROWS
 
     def _resolve_deferred(self) -> None:

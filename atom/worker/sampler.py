@@ -79,7 +79,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(p.greedy for p in params),
             any_penalties=any(p.has_penalties for p in params),
-            any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            any_top_k_top_p=any(p.filters_top_k_top_p for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
         )
 
