@@ -277,4 +277,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("expert_stride"), py::arg("inter"), py::arg("shared_act"), py::arg("shared_w"),
       py::arg("shared_inter"), py::arg("addend"), py::arg("out"), py::arg("dim"), py::arg("dtype"),
       py::arg("stream"));
+
+  m.def(
+      "sample_tokens",
+      [](uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride, uintptr_t temperature,
+         uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out, int64_t rows, int64_t vocab,
+         uintptr_t stream) {
+        check(atom::sample_tokens(logits, logits_stride, draws, draws_stride, temperature, top_p, top_k, min_p, out,
+                                  rows, vocab, stream));
+      },
+      "one token per fp32 logits row: temperature, top-k, top-p, min-p and the exponential race over given draws",
+      py::arg("logits"), py::arg("logits_stride"), py::arg("draws"), py::arg("draws_stride"), py::arg("temperature"),
+      py::arg("top_p"), py::arg("top_k"), py::arg("min_p"), py::arg("out"), py::arg("rows"), py::arg("vocab"),
+      py::arg("stream"));
 }

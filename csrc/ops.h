@@ -260,4 +260,15 @@ const char* moe_gemv_down(uintptr_t act, uintptr_t ids, uintptr_t weights, int64
                           int64_t shared_inter, uintptr_t addend, uintptr_t out, int64_t dim, int dtype,
                           uintptr_t stream);
 
+// ---- sampling.cu: one token per logits row (temperature, top-k, top-p, min-p, exponential race).
+//
+// logits and draws fp32 [rows, vocab] (row strides given, last dim
+// contiguous); draws are Exp(1) variates, one per token. temperature, top_p,
+// min_p fp32 [rows] and top_k int64 [rows], as in SamplingBatch (top_k 0 or
+// -1 off, top_p 1 off, min_p 0 off; temperature 0 or top_k 1: argmax of the
+// logits). Writes out int64 [rows].
+const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride,
+                          uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
+                          int64_t rows, int64_t vocab, uintptr_t stream);
+
 }  // namespace atom

@@ -170,10 +170,8 @@ def test_gpu_async_single_steps_chained_on_the_device_match_cpu_reference(tmp_pa
 
 def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, patched):
     """Overlap chains sampled steps too (the sampler runs on the device): seeded requests draw the same
-    tokens chained as one step at a time. Not chained: rows with penalties (they need the host), and a
-    batch smaller than CHAIN_FILTERED_MIN_ROWS (a single request) that filters by top-p."""
+    tokens chained as one step at a time. Not chained: rows with penalties (they need the host)."""
     from atom import LLM
-    from atom.worker.model_runner import CHAIN_FILTERED_MIN_ROWS
 
     path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
 
@@ -185,11 +183,10 @@ def test_gpu_sampled_steps_chain_on_the_device_like_greedy_ones(tmp_path, patche
         assert llm.engine.all_resources_free()
         return [o.outputs[0].token_ids for o in outs], sum(patched)
 
-    assert CHAIN_FILTERED_MIN_ROWS == 2
     cases = [(PROMPTS, 4, {"temperature": 0.9}, True),  # temperature only: chained at any batch size
              (PROMPTS[:2], 1, {"temperature": 0.9}, True),
-             (PROMPTS[:2], 1, {"temperature": 0.9, "top_p": 0.9}, False),  # one request at a time with top-p
-             (PROMPTS, 4, {"temperature": 0.9, "top_p": 0.9, "top_k": 40}, True),
+             (PROMPTS[:2], 1, {"temperature": 0.9, "top_p": 0.9}, True),  # one request at a time with top-p
+             (PROMPTS, 4, {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "min_p": 0.05}, True),
              (PROMPTS, 4, {"temperature": 0.9, "repetition_penalty": 1.3}, False)]  # fmt: skip
     for prompts, seqs, sampling, chains in cases:
         sync, none = run(prompts, False, seqs, **sampling)

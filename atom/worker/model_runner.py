@@ -25,12 +25,6 @@ from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
 
 
-# Smallest batch whose sampled steps chain on the device when a row filters by top-k/top-p (see _chains).
-# H200, top-p 0.95, tok/s chained against not: 601 / 849 at 1 row, 1510 / 1544 at 2, 3419 / 2045 at 4,
-# 6103 / 3723 at 8, 9766 / 7153 at 16 (GPU_NOTES, session 20).
-CHAIN_FILTERED_MIN_ROWS = 2
-
-
 @dataclass
 class CachedRequestState:
     prompt_token_ids: list[int]
@@ -140,12 +134,9 @@ class ModelRunner:
         states = [self.requests[s.request_id] for s in rows]
         if all(st.plain_greedy for st in states):
             return True
-        if sched.num_steps > 1 or not all(st.chainable for st in states):
-            return False
-        # Sampled rows chain too, except a single request that filters by top-k/top-p: there the sampler's host
-        # work (a sort and a dozen more ops) outweighs the step on the GPU, and chained it ran slower.
-        filters = any(st.sampling_params.filters_top_k_top_p for st in states)
-        return not filters or len(rows) >= CHAIN_FILTERED_MIN_ROWS
+        # Sampled rows chain too: the fused sampling kernel keeps their sampler's host work small. (Graphs, and
+        # so chaining, need the atom._C kernels; before that kernel, a lone top-p request ran slower chained.)
+        return sched.num_steps == 1 and all(st.chainable for st in states)
 
     def _resolve_deferred(self) -> None:
         """Every step's tokens on the host (waits for the copies still in flight)."""

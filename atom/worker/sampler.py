@@ -5,6 +5,9 @@ Pipeline per step (rows are independent throughout):
     raw logits ──► penalties ──┬─ greedy rows ─────────────────────────► argmax
                                └─ /temperature ► top-k ► top-p ► min-p ► sample
 
+The second line is one fused kernel on a GPU (``atom.ops.cuda.sample_tokens``)
+and torch elsewhere (``atom.ops.sampling``).
+
 Logprobs are reported from the *raw* logits (vLLM's default "raw_logprobs").
 
 Invariant: a seeded request draws only from its own generator, one Exp(1)
@@ -20,10 +23,10 @@ import torch
 from torch import Tensor
 
 from atom.forward_context import upload
+from atom.ops.cuda import sample_tokens
+from atom.ops.sampling import exponential_draws
 from atom.sampling_params import SamplingParams
 
-# Smallest Exp(1) draw we divide by; avoids 0/0 for filtered-out tokens.
-_MIN_EXP_DRAW = 1e-10
 # Largest top_k kept as is in the float32 upload (larger ones filter nothing: no vocabulary is that big)
 _TOP_K_EXACT = 1 << 24
 
@@ -96,25 +99,13 @@ class Sampler:
         raw_logits = logits
         if batch.any_penalties:
             logits = apply_penalties(logits, batch)
-        greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:
-            sampled = greedy_ids
+            sampled = logits.argmax(dim=-1)
         else:
-            is_greedy = (batch.temperature == 0) | (batch.top_k == 1)
-            sampled = torch.where(is_greedy, greedy_ids, _sample(logits, batch))
+            draws = exponential_draws(logits, batch.generators)
+            sampled = sample_tokens(logits, draws, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
+                                    batch.any_top_k_top_p, batch.any_min_p)  # fmt: skip
         return SamplerOutput(sampled, _sampled_logprobs(raw_logits, sampled, batch.num_logprobs))
-
-
-def _sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Random sampling for every row; greedy rows' results are discarded by the caller."""
-    temperature = torch.where(batch.temperature == 0, 1.0, batch.temperature)
-    logits = logits / temperature.unsqueeze(1)
-    if batch.any_top_k_top_p:  # with top_k 0 and top_p 1 everywhere it changes nothing
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if batch.any_min_p:  # likewise with min_p 0
-        probs = apply_min_p(probs, batch.min_p)
-    return _exponential_race(probs, batch.generators)
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -140,48 +131,6 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]
-
-
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus.
-
-    Top-p keeps the smallest prefix (by descending probability) whose cumulative
-    probability reaches top_p; the top token is always kept.
-    """
-    vocab_size = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-
-    k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size)).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
-
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    p = top_p.unsqueeze(1)
-    # top_p == 1 skips the test so float rounding in the cumsum never drops the tail.
-    outside_nucleus = (mass_before >= p) & (p < 1)
-    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
-    """Zero tokens whose probability is below min_p times the row's top probability."""
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-def _exponential_race(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-    """argmax(probs / q), q ~ Exp(1), samples from probs (unnormalised is fine).
-
-    Seeded rows redraw q from their own generator so their result ignores the batch.
-    """
-    q = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        q.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            q[row].exponential_(generator=generator)
-    return (probs / q.clamp_min(_MIN_EXP_DRAW)).argmax(dim=-1)
 
 
 def _sampled_logprobs(

@@ -21,14 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from atom.worker.sampler import (
-    SamplingBatch,
-    _top_logprobs,
-    _trim,
-    apply_min_p,
-    apply_penalties,
-    apply_top_k_top_p,
-)
+from atom.ops.sampling import apply_min_p, apply_top_k_top_p
+from atom.worker.sampler import SamplingBatch, _top_logprobs, _trim, apply_penalties
 
 
 def target_probs(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,82 @@
+"""Token sampling over a batch of logits rows, each row with its own parameters (torch).
+
+    logits ──► /temperature ► top-k ► top-p ► min-p ► exponential race ──► token
+       └─────► argmax (rows with temperature 0 or top_k 1) ───────────────► token
+
+The race draws q ~ Exp(1) per token and takes argmax(probs / q), which
+samples from probs. The draws come from the caller (``exponential_draws``), so
+this reference and the fused kernel (``atom.ops.cuda.sample_tokens``) pick the
+same token from the same draws.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Smallest Exp(1) draw we divide by; avoids 0/0 for filtered-out tokens.
+MIN_EXP_DRAW = 1e-10
+
+
+def exponential_draws(like: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """One Exp(1) draw per element of ``like`` ([rows, vocab]). A row with a generator draws only from it,
+    so its result ignores the batch; the other rows share the default generator."""
+    q = torch.empty_like(like, dtype=torch.float32)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            q[row].exponential_(generator=generator)
+    return q
+
+
+def sample_ref(
+    logits: Tensor,
+    draws: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    filter_top_k_top_p: bool = True,
+    filter_min_p: bool = True,
+) -> Tensor:
+    """[rows] int64: each row's token. ``filter_top_k_top_p`` / ``filter_min_p`` False promise that no row
+    filters that way (top_k 0, top_p 1 / min_p 0 everywhere); the stage is then skipped, which is exact."""
+    greedy_ids = logits.argmax(dim=-1)
+    logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+    if filter_top_k_top_p:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if filter_min_p:
+        probs = apply_min_p(probs, min_p)
+    sampled = (probs / draws.clamp_min(MIN_EXP_DRAW)).argmax(dim=-1)
+    return torch.where((temperature == 0) | (top_k == 1), greedy_ids, sampled)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask to -inf everything outside each row's top-k, then outside its top-p nucleus.
+
+    Top-p keeps the smallest prefix (by descending probability) whose cumulative
+    probability reaches top_p; the top token is always kept. Equal logits keep
+    their index order (a stable sort).
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+
+    k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size)).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    p = top_p.unsqueeze(1)
+    # top_p == 1 skips the test so float rounding in the cumsum never drops the tail.
+    outside_nucleus = (mass_before >= p) & (p < 1)
+    sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
+    """Zero tokens whose probability is below min_p times the row's top probability."""
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)

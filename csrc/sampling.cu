@@ -1,0 +1,350 @@
+// Token sampling, one logits row per block: temperature, top-k, top-p, min-p
+// and the exponential race in one launch, in place of the dozen torch ops
+// (and a sort) of atom.ops.sampling.sample_ref.
+//
+// Per row, with s = logits / temperature and w = exp(s - max s):
+//   - greedy rows (temperature 0 or top_k 1): argmax of the logits;
+//   - every token gets a 64-bit key that orders it as a stable descending sort
+//     does: the float's order-preserving bits, then the inverted index (ties go
+//     to the lower index);
+//   - top-k keeps the k largest keys, found by radix select on counts;
+//   - top-p keeps the shortest prefix of the rest whose mass reaches top_p,
+//     found by radix select on mass. Mass is w in 32.32 fixed point, summed
+//     with integer atomics: exact, so the result never depends on the order in
+//     which threads add (two runs of one row always agree);
+//   - min-p drops tokens with w < min_p (min_p times the top token's weight);
+//   - the race: argmax over kept tokens of w / max(draw, 1e-10), draw ~ Exp(1)
+//     from the caller, ties to the lower index.
+// The reference's probabilities are normalised and summed in floats, so the
+// two can differ only where a boundary sits within rounding of a threshold.
+#include "kernel_common.h"
+
+namespace atom {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kGroups = kThreads / kGroup;
+constexpr int kUnroll = 4;  // loads in flight per thread in a pass over the row
+constexpr int kBins = 256;  // one 8-bit digit per radix pass
+constexpr int kMaxCandidates = 2048;  // tokens of the chosen bucket kept in shared memory
+constexpr float kMinDraw = 1e-10f;  // as the reference's MIN_EXP_DRAW
+constexpr float kMassScale = 4294967296.f;  // 2^32: w = 1 (the top token) is 2^32 units of mass
+constexpr float kMassSpan = 22.2f;  // exp(-22.2) < 2^-32: tokens further below the top have no mass units
+
+struct SampleParams {
+  const float* logits;
+  int64_t logits_stride;
+  const float* draws;
+  int64_t draws_stride;
+  const float* temperature;
+  const float* top_p;
+  const int64_t* top_k;
+  const float* min_p;
+  int64_t* out;
+  int vocab;
+  int index_bits;  // 2^index_bits >= vocab
+};
+
+struct Shared {
+  unsigned long long mass[kBins];
+  unsigned int count[kBins];
+  uint64_t candidate_key[kMaxCandidates];
+  unsigned long long candidate_units[kMaxCandidates];
+  float reduce_value[kGroups];
+  int reduce_index[kGroups];
+  // The digit search's answer, broadcast to the block.
+  unsigned long long remaining;
+  unsigned int digit;
+  unsigned int bucket_count;
+  unsigned int candidates;
+  uint64_t found_key;
+};
+
+__device__ __forceinline__ uint64_t sort_key(float s, int i, int index_bits) {
+  uint32_t u = __float_as_uint(s);
+  if (u == 0x80000000u) u = 0;  // -0 sorts with +0, as in torch
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<uint64_t>(u) << index_bits) | static_cast<uint64_t>((1u << index_bits) - 1u - i);
+}
+
+__device__ __forceinline__ unsigned long long mass_units(float s, float top) {
+  return static_cast<unsigned long long>(expf(s - top) * kMassScale);
+}
+
+// Larger value wins, then the lower index (torch's argmax keeps the first maximum).
+__device__ __forceinline__ bool beats(float v, int i, float best_v, int best_i) {
+  return v > best_v || (v == best_v && i < best_i);
+}
+
+// f(i, x[i]) for every token of the row, the block's threads striding over it with kUnroll loads in flight.
+template <typename F>
+__device__ __forceinline__ void for_each_token(const float* x, int n, F f) {
+  for (int base = threadIdx.x; base < n; base += kThreads * kUnroll) {
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = base + u * kThreads < n ? x[base + u * kThreads] : 0.f;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * kThreads < n) f(base + u * kThreads, v[u]);
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t shfl_up_u64(uint64_t v, int delta) {
+  const uint32_t lo = __shfl_up_sync(0xffffffffu, static_cast<uint32_t>(v), delta, kGroup);
+  const uint32_t hi = __shfl_up_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), delta, kGroup);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+__device__ __forceinline__ uint64_t shfl_u64(uint64_t v, int lane) {
+  const uint32_t lo = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v), lane, kGroup);
+  const uint32_t hi = __shfl_sync(0xffffffffu, static_cast<uint32_t>(v >> 32), lane, kGroup);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+// The block's (value, index) winner; every thread gets it.
+__device__ void block_argmax(Shared& sh, float& v, int& i) {
+#pragma unroll
+  for (int off = kGroup / 2; off > 0; off /= 2) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, off, kGroup);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, off, kGroup);
+    if (beats(ov, oi, v, i)) v = ov, i = oi;
+  }
+  if (threadIdx.x % kGroup == 0) sh.reduce_value[threadIdx.x / kGroup] = v, sh.reduce_index[threadIdx.x / kGroup] = i;
+  __syncthreads();
+  v = sh.reduce_value[0];
+  i = sh.reduce_index[0];
+  for (int g = 1; g < kGroups; ++g) {
+    if (beats(sh.reduce_value[g], sh.reduce_index[g], v, i)) v = sh.reduce_value[g], i = sh.reduce_index[g];
+  }
+  __syncthreads();  // the scratch is reused
+}
+
+__device__ float block_min(Shared& sh, float v) {
+  int unused = 0;
+  v = -v;
+  block_argmax(sh, v, unused);
+  return -v;
+}
+
+// Run by the first 32 threads after a histogram pass: the digit d whose bin
+// holds the `remaining`-th unit counted from digit 255 down, i.e.
+// above(d) < remaining <= above(d) + bin[d]. Leaves d, remaining - above(d)
+// and the bin's token count in `sh`. With a fraction (top-p, first pass),
+// `remaining` is first ceil(fraction * the bins' total).
+template <typename T>
+__device__ void find_digit(Shared& sh, const T* bins, uint64_t remaining, double fraction) {
+  const int lane = threadIdx.x;
+  const int top = kBins - 1 - lane * (kBins / kGroup);  // this lane's 8 digits: top, top-1, ..., top-7
+  uint64_t own = 0;
+#pragma unroll
+  for (int j = 0; j < kBins / kGroup; ++j) own += bins[top - j];
+  uint64_t inclusive = own;
+#pragma unroll
+  for (int off = 1; off < kGroup; off *= 2) {
+    const uint64_t o = shfl_up_u64(inclusive, off);
+    if (lane >= off) inclusive += o;
+  }
+  if (fraction > 0.0) {
+    const uint64_t total = shfl_u64(inclusive, kGroup - 1);
+    const double target = ceil(fraction * static_cast<double>(total));
+    remaining = target < 1.0 ? 1 : (target > static_cast<double>(total) ? total : static_cast<uint64_t>(target));
+  }
+  uint64_t above = inclusive - own;
+  if (above < remaining && remaining <= inclusive) {
+    for (int j = 0; j < kBins / kGroup; ++j) {
+      const uint64_t bin = bins[top - j];
+      if (remaining <= above + bin) {
+        sh.digit = top - j;
+        sh.remaining = remaining - above;
+        sh.bucket_count = sh.count[top - j];
+        break;
+      }
+      above += bin;
+    }
+  }
+}
+
+// One histogram pass: visit(f) calls f(digit, units) for each token taking part. Returns the digit
+// holding the `remaining`-th unit from the top (find_digit), with `remaining` updated to within it.
+template <bool kByMass, typename Visit>
+__device__ unsigned histogram_pass(Shared& sh, Visit visit, uint64_t& remaining, double fraction) {
+  for (int b = threadIdx.x; b < kBins; b += kThreads) sh.mass[b] = 0, sh.count[b] = 0;
+  if (threadIdx.x == 0) {  // what the search leaves if no bin qualifies (a row of NaN or -inf): no hang
+    sh.digit = 0;
+    sh.remaining = 1;
+    sh.bucket_count = 0;
+  }
+  __syncthreads();
+  visit([&](unsigned digit, unsigned long long units) {
+    if (kByMass) atomicAdd(&sh.mass[digit], units);
+    atomicAdd(&sh.count[digit], 1u);
+  });
+  __syncthreads();
+  if (threadIdx.x < kGroup) {
+    if (kByMass) {
+      find_digit(sh, sh.mass, remaining, fraction);
+    } else {
+      find_digit(sh, sh.count, remaining, 0.0);
+    }
+  }
+  __syncthreads();
+  remaining = sh.remaining;
+  return sh.digit;
+}
+
+// The key of the `remaining`-th token from the top (by count, or by mass: the token whose running mass
+// first reaches ceil(fraction * total)) among tokens with key >= floor_key (and mass units, by mass).
+//   1. a histogram over 256 buckets of (top - s), linear up to `span` below the top (keys' top bits are
+//      the float's exponent: a first radix pass over them would pile most tokens into a few bins);
+//   2. the chosen bucket's tokens copied to shared memory (or, past kMaxCandidates, read from the row);
+//   3. radix passes over their keys, 8 bits at a time, until one token is left.
+template <bool kByMass>
+__device__ uint64_t select_key(Shared& sh, const float* x, const SampleParams& p, float temperature, float top,
+                               float span, uint64_t floor_key, uint64_t remaining, double fraction) {
+  const float scale = span > 0.f ? kBins / span : 0.f;
+  auto bucket_digit = [&](float s) -> unsigned {  // 255 at the top: larger digits hold larger keys
+    const float d = (top - s) * scale;
+    return d < static_cast<float>(kBins - 1) ? kBins - 1 - static_cast<unsigned>(d) : 0u;
+  };
+  // f(s, key, units) for each token taking part in this select.
+  auto each_token = [&](auto f) {
+    for_each_token(x, p.vocab, [&](int i, float xi) {
+      const float s = xi / temperature;
+      const uint64_t key = sort_key(s, i, p.index_bits);
+      if (key < floor_key) return;
+      const unsigned long long units = kByMass ? mass_units(s, top) : 1ull;
+      if (units == 0) return;  // below every possible boundary (the boundary token has mass)
+      f(s, key, units);
+    });
+  };
+  const unsigned bucket = histogram_pass<kByMass>(
+      sh, [&](auto add) { each_token([&](float s, uint64_t, unsigned long long units) { add(bucket_digit(s), units); }); },
+      remaining, fraction);
+  if (threadIdx.x == 0) sh.candidates = 0;
+  __syncthreads();
+  each_token([&](float s, uint64_t key, unsigned long long units) {
+    if (bucket_digit(s) != bucket) return;
+    const unsigned c = atomicAdd(&sh.candidates, 1u);
+    if (c < kMaxCandidates) sh.candidate_key[c] = key, sh.candidate_units[c] = units;
+  });
+  __syncthreads();
+  const unsigned candidates = sh.candidates;
+  const bool in_shared = candidates <= kMaxCandidates;
+  // g(key, units) for each token of the chosen bucket.
+  auto each_candidate = [&](auto g) {
+    if (in_shared) {
+      for (unsigned c = threadIdx.x; c < candidates; c += kThreads) g(sh.candidate_key[c], sh.candidate_units[c]);
+    } else {
+      each_token([&](float s, uint64_t key, unsigned long long units) {
+        if (bucket_digit(s) == bucket) g(key, units);
+      });
+    }
+  };
+  uint64_t prefix = 0, mask = 0;
+  unsigned left = candidates;
+  const int total_bits = (32 + p.index_bits + 7) / 8 * 8;
+  for (int shift = total_bits - 8; shift >= 0 && left > 1; shift -= 8) {
+    const unsigned digit = histogram_pass<kByMass>(
+        sh,
+        [&](auto add) {
+          each_candidate([&](uint64_t key, unsigned long long units) {
+            if ((key & mask) == prefix) add(static_cast<unsigned>(key >> shift) & (kBins - 1), units);
+          });
+        },
+        remaining, 0.0);
+    prefix |= static_cast<uint64_t>(digit) << shift;
+    mask |= static_cast<uint64_t>(kBins - 1) << shift;
+    left = sh.bucket_count;
+    __syncthreads();  // everyone has read sh before it changes
+  }
+  // One token left: its key (its bucket alone, or the prefix narrowed to it).
+  if (threadIdx.x == 0) sh.found_key = prefix;
+  __syncthreads();
+  each_candidate([&](uint64_t key, unsigned long long) {
+    if ((key & mask) == prefix) sh.found_key = key;
+  });
+  __syncthreads();
+  const uint64_t key = sh.found_key;
+  __syncthreads();
+  return key;
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
+  __shared__ Shared sh;
+  const int row = blockIdx.x;
+  const float* x = p.logits + row * p.logits_stride;
+  const float temperature = p.temperature[row];
+  const int64_t top_k = p.top_k[row];
+
+  if (temperature == 0.f || top_k == 1) {
+    float best = -INFINITY;
+    int best_i = INT32_MAX;
+    for_each_token(x, p.vocab, [&](int i, float xi) {
+      if (beats(xi, i, best, best_i)) best = xi, best_i = i;
+    });
+    block_argmax(sh, best, best_i);
+    if (threadIdx.x == 0) p.out[row] = best_i;
+    return;
+  }
+
+  float top = -INFINITY, bottom = INFINITY;
+  for_each_token(x, p.vocab, [&](int, float xi) {
+    top = fmaxf(top, xi / temperature);
+    bottom = fminf(bottom, xi / temperature);
+  });
+  int unused = 0;
+  block_argmax(sh, top, unused);
+  bottom = block_min(sh, bottom);
+
+  uint64_t floor_key = 0;  // kept: keys >= floor_key
+  if (top_k > 1 && top_k < p.vocab) {
+    floor_key = select_key<false>(sh, x, p, temperature, top, top - bottom, 0, static_cast<uint64_t>(top_k), 0.0);
+  }
+  const float top_p = p.top_p[row];
+  if (top_p < 1.f) {
+    floor_key = select_key<true>(sh, x, p, temperature, top, fminf(top - bottom, kMassSpan), floor_key, 0, top_p);
+  }
+
+  const float min_p = p.min_p[row];
+  const float* draws = p.draws + row * p.draws_stride;
+  float best = -INFINITY;
+  int best_i = INT32_MAX;
+  for_each_token(x, p.vocab, [&](int i, float xi) {
+    const float s = xi / temperature;
+    if (sort_key(s, i, p.index_bits) < floor_key) return;
+    const float w = expf(s - top);
+    if (w < min_p) return;
+    const float race = w / fmaxf(draws[i], kMinDraw);
+    if (beats(race, i, best, best_i)) best = race, best_i = i;
+  });
+  block_argmax(sh, best, best_i);
+  if (threadIdx.x == 0) p.out[row] = best_i;
+}
+
+}  // namespace
+
+const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride,
+                          uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
+                          int64_t rows, int64_t vocab, uintptr_t stream) {
+  if (rows < 0 || vocab < 1 || vocab > (1 << 24)) return "sample_tokens: needs rows >= 0 and 1 <= vocab <= 2^24";
+  if (rows == 0) return nullptr;
+  if (rows > INT32_MAX) return "sample_tokens: too many rows";
+  int index_bits = 1;
+  while ((int64_t{1} << index_bits) < vocab) ++index_bits;
+  SampleParams p{reinterpret_cast<const float*>(logits),
+                 logits_stride,
+                 reinterpret_cast<const float*>(draws),
+                 draws_stride,
+                 reinterpret_cast<const float*>(temperature),
+                 reinterpret_cast<const float*>(top_p),
+                 reinterpret_cast<const int64_t*>(top_k),
+                 reinterpret_cast<const float*>(min_p),
+                 reinterpret_cast<int64_t*>(out),
+                 static_cast<int>(vocab),
+                 index_bits};
+  sample_kernel<<<static_cast<unsigned>(rows), kThreads, 0, as_stream(stream)>>>(p);
+  return last_launch_error();
+}
+
+}  // namespace atom
