@@ -219,7 +219,10 @@ __device__ uint64_t select_key(Shared& sh, const float* x, const SampleParams& p
     });
   };
   const unsigned bucket = histogram_pass<kByMass>(
-      sh, [&](auto add) { each_token([&](float s, uint64_t, unsigned long long units) { add(bucket_digit(s), units); }); },
+      sh,
+      [&](auto add) {
+        each_token([&](float s, uint64_t, unsigned long long units) { add(bucket_digit(s), units); });
+      },
       remaining, fraction);
   if (threadIdx.x == 0) sh.candidates = 0;
   __syncthreads();

@@ -120,6 +120,19 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert set(Sampler()(logits, batch).sampled_token_ids.tolist()) == {0, 1}
 
 
+def test_sample_tokens_rejects_mismatched_shapes():
+    from atom.ops.cuda import sample_tokens
+
+    logits = torch.randn(3, 10)
+    params = [torch.ones(3), torch.zeros(3, dtype=torch.long), torch.ones(3), torch.zeros(3)]
+    with pytest.raises(ValueError, match=r"draws must be \(3, 10\)"):
+        sample_tokens(logits, torch.ones(3, 9), *params)
+    with pytest.raises(ValueError, match=r"parameters \[3\]"):
+        sample_tokens(logits, torch.ones(3, 10), params[0][:2], *params[1:])
+    tokens = sample_tokens(logits, torch.ones(3, 10), *params)  # temperature 1, no filters, equal draws: argmax
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 # ---------------------------------------------------------------- penalties
 
 
