@@ -7,6 +7,8 @@
     python bench/kernels_gpu.py --only moe_paths     # each MoE path forced, 1-256 tokens, three routings
     python bench/kernels_gpu.py --only mla_prefill   # MLA prefill: expanded form vs the absorbed reference
     python bench/kernels_gpu.py --only conv1d_prefill  # KDA's prefill conv: kernel vs the torch path
+    python bench/kernels_gpu.py --only linear        # dense linears at decode sizes: gemv vs cuBLAS
+    python bench/kernels_gpu.py --only ksplit        # the gemv kernel with each k_split forced
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -573,6 +575,55 @@ def bench_moe_paths(tokens: int, experts: int, top_k: int, dim: int = 2304, inte
     return rows
 
 
+# (name, rows, dim): bench/decode_gpu.py's dense linears at decode (hidden 2304, 32 heads of 128, MLA rank
+# 512 + rope 64, a dense MLP of 9216), its lm_head, and a Kimi-Linear vocabulary's
+GEMV_SHAPES = [("kda qkv", 12288, 2304), ("kda f_a+g_a+b", 288, 2304), ("kda f_b", 4096, 128),
+               ("o_proj", 2304, 4096), ("mla q", 6144, 2304), ("mla kv_a", 576, 2304),
+               ("mlp gate_up", 18432, 2304), ("mlp down", 2304, 9216), ("lm_head", 32000, 2304),
+               ("lm_head 163840", 163840, 2304)]  # fmt: skip
+
+
+def bench_gemv(name: str, rows: int, dim: int, tokens: int, k_splits: tuple[int, ...] = ()) -> list[dict]:
+    """A dense bf16 linear for a few tokens: what ``atom.ops.cuda.linear`` runs (the kernel of
+    ``csrc/gemv.cu`` or cuBLAS, as ``use_kernel`` picks), the kernel forced with each of ``k_splits`` (0 =
+    its own choice), and cuBLAS (``torch.matmul``), side by side. Event-timed and back to back in a CUDA
+    graph over copies of the weights that together hold 4x L2 (as the engine's decode graphs run them)."""
+    from atom.ops.cuda.linear import linear
+
+    moved = (rows * dim + tokens * dim + tokens * rows) * 2
+    out_rows = []
+
+    def make_with(variant):
+        def make():
+            w = torch.randn(rows, dim, dtype=torch.bfloat16, device="cuda") * dim**-0.5
+            x = torch.randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
+            if variant == "cublas":
+                out = torch.empty(tokens, rows, dtype=torch.bfloat16, device="cuda")
+                return lambda: torch.matmul(x, w.t(), out=out)
+            if variant == "engine":
+                return lambda: linear(x, w)
+            return lambda: linear(x, w, k_split=variant, force=True)
+
+        return make
+
+    saved = GRAPH
+    globals()["GRAPH"] = True  # always: the graph time is what the engine sees
+    try:
+        base = timings(make_with("cublas"), moved)
+        out_rows.append({"op": f"cublas {name} N={rows} K={dim} T={tokens}", "bytes": moved, **base})
+        for variant in ("engine", *k_splits):
+            r = timings(make_with(variant), moved)
+            label = f"linear {name} N={rows} K={dim} T={tokens} " + (
+                "engine" if variant == "engine" else f"gemv ks={variant}")
+            out_rows.append({"op": label, "bytes": moved, **r})
+            print(f"{label}: {r['graph_us']:.1f} us in a graph, cuBLAS {base['graph_us']:.1f} us: "
+                  f"{base['graph_us'] / r['graph_us']:.2f}x (event-timed {base['us'] / r['us']:.2f}x)",
+                  flush=True)  # fmt: skip
+    finally:
+        globals()["GRAPH"] = saved
+    return out_rows
+
+
 def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
     cache = torch.randint(0, 255, (num * 2, block_bytes), dtype=torch.uint8, device="cuda")
     staging = torch.empty(num, block_bytes, dtype=torch.uint8, device="cuda")
@@ -645,6 +696,10 @@ def main() -> None:
     for experts, top_k in ((256, 8), (64, 6), (16, 4)):  # and DeepSeek-V2-Lite / Moonlight's routing
         cases += [(f"moe_paths T={t} E={experts}", lambda t=t, e=experts, k=top_k: bench_moe_paths(t, e, k))
                   for t in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)]  # fmt: skip
+    cases += [(f"linear {n} T={t}", lambda n=n, r=r, d=d, t=t: bench_gemv(n, r, d, t))
+              for n, r, d in GEMV_SHAPES for t in (1, 2, 4, 8)]  # fmt: skip
+    cases += [(f"ksplit {n} T={t}", lambda n=n, r=r, d=d, t=t: bench_gemv(n, r, d, t, (0, 1, 2, 4, 8)))
+              for n, r, d in GEMV_SHAPES[:8] for t in (1, 4)]  # fmt: skip
     for gather in (True, False):
         name = "gather_blocks" if gather else "scatter_blocks"
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))

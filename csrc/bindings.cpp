@@ -279,6 +279,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("stream"));
 
   m.def(
+      "gemv",
+      [](uintptr_t x, int64_t x_stride, int64_t tokens, uintptr_t w, int64_t rows, int64_t dim, uintptr_t bias,
+         uintptr_t out, int64_t out_stride, int64_t k_split, int dtype, uintptr_t stream) {
+        check(atom::gemv(x, x_stride, tokens, w, rows, dim, bias, out, out_stride, k_split, dtype, stream));
+      },
+      "a dense linear for a few tokens: out = x . w^T + bias, every row of w read once", py::arg("x"),
+      py::arg("x_stride"), py::arg("tokens"), py::arg("w"), py::arg("rows"), py::arg("dim"), py::arg("bias"),
+      py::arg("out"), py::arg("out_stride"), py::arg("k_split"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
       "sample_tokens",
       [](uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride, uintptr_t temperature,
          uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out, int64_t rows, int64_t vocab,

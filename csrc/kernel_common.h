@@ -91,6 +91,15 @@ struct alignas(n * sizeof(T)) Pack {
   T v[n];
 };
 
+// The dot product of two n-element vectors (16-byte loads, or single elements), summed in fp32 in order.
+template <typename T, int n>
+__device__ __forceinline__ float pack_dot(const Pack<T, n>& a, const Pack<T, n>& b) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < n; ++i) s += to_float(a.v[i]) * to_float(b.v[i]);
+  return s;
+}
+
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace atom

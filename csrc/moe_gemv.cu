@@ -43,15 +43,6 @@ constexpr int kDownPicks = 4;  // picks whose loads a warp of moe_gemv_down keep
 constexpr int kUpBatch = 2;
 constexpr int kDownBatch = 2;
 
-// kN elements of T (a 16-byte vector, or one) times kN others, summed in fp32.
-template <typename T, int kN>
-__device__ __forceinline__ float dot(const Pack<T, kN>& a, const Pack<T, kN>& b) {
-  float s = 0.f;
-#pragma unroll
-  for (int i = 0; i < kN; ++i) s += to_float(a.v[i]) * to_float(b.v[i]);
-  return s;
-}
-
 // kN elements a load: 16-byte vectors (kN = 16 / sizeof(T)) where every row, stride and length allows, else 1.
 template <typename T, int kN>
 __global__ void __launch_bounds__(kUpThreads)
@@ -95,8 +86,8 @@ __global__ void __launch_bounds__(kUpThreads)
       if (c0 + b * kGroup < vecs) {
 #pragma unroll
         for (int r = 0; r < kUpRows; ++r) {
-          g[r] += dot<T, kN>(gv[b][r], xv[b]);
-          u[r] += dot<T, kN>(uv[b][r], xv[b]);
+          g[r] += pack_dot<T, kN>(gv[b][r], xv[b]);
+          u[r] += pack_dot<T, kN>(uv[b][r], xv[b]);
         }
       }
     }
@@ -129,7 +120,7 @@ __device__ __forceinline__ void row_dots(const Pack<T, kN>* const (&a)[kRows], c
     for (int b = 0; b < kDownBatch; ++b) {
       if (c0 + b * kGroup < vecs) {
 #pragma unroll
-        for (int i = 0; i < kRows; ++i) part[i] += dot<T, kN>(av[b][i], wv[b][i]);
+        for (int i = 0; i < kRows; ++i) part[i] += pack_dot<T, kN>(av[b][i], wv[b][i]);
       }
     }
   }

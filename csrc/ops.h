@@ -271,4 +271,14 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
                           uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
                           int64_t rows, int64_t vocab, uintptr_t stream);
 
+// ---- gemv.cu: dense linears at decode batch sizes.
+//
+// gemv: x [tokens, dim] (row stride x_stride, rows contiguous), w [rows, dim]
+// contiguous, bias [rows] (0: none). Writes out [tokens, rows] (row stride
+// out_stride) = round(x . w^T + bias), each dot product summed in fp32 and
+// rounded once. All `dtype`. k_split: warps that split a row's dot product
+// (1, 2, 4 or 8; 0 picks one from the shape and the GPU's SM count).
+const char* gemv(uintptr_t x, int64_t x_stride, int64_t tokens, uintptr_t w, int64_t rows, int64_t dim, uintptr_t bias,
+                 uintptr_t out, int64_t out_stride, int64_t k_split, int dtype, uintptr_t stream);
+
 }  // namespace atom

@@ -35,14 +35,14 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_mla_prefill.py \
   tests/test_build.py
 # fla's tests last (below): Triton autotunes fla's kernels afresh on each new machine, which can take minutes
-stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py \
-  -k "not fla"
+KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py tests/test_linear_gpu.py"
+stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST $KERNEL_TESTS -k "not fla"
 if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary line is the stage's last line)
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck synccheck initcheck; do
     report=""; [ $tool = racecheck ] && report="--racecheck-report hazard"
     stage "sanitize_$tool" ${SANITIZE_LIMIT:-300} "$CS" --tool $tool $report --error-exitcode 1 \
-      $PYTEST tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py -k "not fla"
+      $PYTEST $KERNEL_TESTS -k "not fla"
   done
   stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
     $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py

@@ -29,7 +29,7 @@ from torch import nn
 
 from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import RecurrentStateSpec
-from atom.layers.linear import StackedLinears
+from atom.layers.linear import Linear, StackedLinears
 from atom.layers.norm import GatedRMSNorm
 from atom.ops import PaddedLayout, split_decode_prefill
 from atom.ops.cuda import conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, kernels_apply
@@ -53,8 +53,8 @@ class KimiDeltaAttention(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         dim = num_heads * head_dim
 
-        def linear(n_in: int, n_out: int) -> nn.Linear:
-            return nn.Linear(n_in, n_out, bias=False, dtype=dtype)
+        def linear(n_in: int, n_out: int) -> Linear:
+            return Linear(n_in, n_out, bias=False, dtype=dtype)
 
         self.q_proj, self.k_proj, self.v_proj = (linear(hidden_size, dim) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (_DepthwiseConv(dim, conv_kernel_size, dtype) for _ in range(3))

@@ -1,10 +1,23 @@
-"""Linears that share an input, run as one matmul."""
+"""The models' linears: ``Linear``, and linears that share an input run as one matmul.
+
+Both multiply through ``atom.ops.cuda.linear``: ``F.linear``, except on a GPU
+at decode batch sizes, where one kernel reads each weight row once for all the
+step's tokens (``csrc/gemv.cu``).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from atom.ops.cuda.linear import linear
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and checkpoint names) whose product goes through ``linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class StackedLinears:
@@ -39,8 +52,8 @@ class StackedLinears:
         if self.weight is None:
             weight = torch.cat([lin.weight for lin in self.linears])
             bias = None if self.linears[0].bias is None else torch.cat([lin.bias for lin in self.linears])
-            return F.linear(x, weight, bias)
-        return F.linear(x, self.weight, self.bias)
+            return linear(x, weight, bias)
+        return linear(x, self.weight, self.bias)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each linear's output, as views into one matmul's result."""

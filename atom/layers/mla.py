@@ -25,6 +25,7 @@ from torch import nn
 
 from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import MLASpec
+from atom.layers.linear import Linear
 from atom.layers.norm import RMSNorm
 from atom.ops import cuda as kernels
 from atom.ops import split_decode_prefill
@@ -70,17 +71,17 @@ class MultiHeadLatentAttention(nn.Module):
         q_dim = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
         self.q_lora_rank = q_lora_rank
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden_size, q_dim, bias=False, dtype=dtype)
+            self.q_proj = Linear(hidden_size, q_dim, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=attention_bias, dtype=dtype)
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=attention_bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(q_lora_rank, dtype=dtype)  # eps 1e-6, as transformers
-            self.q_b_proj = nn.Linear(q_lora_rank, q_dim, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = nn.Linear(
+            self.q_b_proj = Linear(q_lora_rank, q_dim, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(
             hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias, dtype=dtype
         )
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, dtype=dtype)  # eps 1e-6, as transformers
-        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
 
     def cache_spec(self) -> MLASpec:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from atom.layers.linear import StackedLinears
+from atom.layers.linear import Linear, StackedLinears
 from atom.ops.cuda import kernels_apply
 from atom.ops.cuda.fused import moe_align, moe_combine, moe_gemv, moe_route, router_logits, silu_mul
 
@@ -105,9 +105,9 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None,
                  bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
         self.gate_up = StackedLinears(self.gate_proj, self.up_proj)  # one matmul; stack() after loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 
 from atom.layers.cache_spec import CacheSpec
 from atom.layers.kda import KimiDeltaAttention
+from atom.layers.linear import Linear
 from atom.layers.mla import MultiHeadLatentAttention
 from atom.layers.moe import GatedMLP, SparseMoE, TopkRouter
 from atom.layers.norm import RMSNorm
@@ -221,7 +222,7 @@ class KimiMTPLayer(KimiLinearDecoderLayer):
         d = args.hidden_size
         self.enorm = RMSNorm(d, args.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(d, args.rms_norm_eps, dtype=dtype)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False, dtype=dtype)
+        self.eh_proj = Linear(2 * d, d, bias=False, dtype=dtype)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(d, args.rms_norm_eps, dtype=dtype)
 
@@ -265,7 +266,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.args = KimiLinearArgs.from_hf(hf_config)
         self.dtype = dtype
         self.model = KimiLinearModel(self.args, dtype)
-        self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

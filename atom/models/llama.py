@@ -15,6 +15,7 @@ from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.cache_spec import PagedKVSpec
+from atom.layers.linear import Linear
 from atom.layers.moe import GatedMLP
 from atom.layers.norm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding, rope_parameters
@@ -30,10 +31,10 @@ class LlamaAttention(nn.Module):
         hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.head_dim = head_dim = _head_dim(cfg)
         bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias, dtype=dtype)
+        self.q_proj = Linear(hidden, heads * head_dim, bias=bias, dtype=dtype)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=bias, dtype=dtype)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
             self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
@@ -106,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.hf_config = hf_config
         self.dtype = dtype
         self.model = LlamaModel(hf_config, self.qk_norm, dtype)
-        self.lm_head = nn.Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False, dtype=dtype)
+        self.lm_head = Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, hidden_size]."""

@@ -1,0 +1,98 @@
+"""Decode tokens/s with the dense-linear kernel (``csrc/gemv.cu``) against cuBLAS, side by side.
+
+    python bench/linear_gpu.py                       # batch 1, 2, 4, 8; 3 alternating rounds
+    python bench/linear_gpu.py --batches 1 --rounds 5 --eager
+
+Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
+(bf16) live in one process: one captured its CUDA graphs with the kernel
+(``atom.ops.cuda.linear.GEMV_MAX_TOKENS`` at its default), one with every
+linear on ``F.linear`` (the limit at 0). Each round times both, in turn, the
+order alternating; the setting is switched with the engine, so the steps
+outside the graphs (prefill, lm_head) follow it too. Decode tok/s as in
+decode_gpu.py: batch * N / (t(1 + N new tokens) - t(1 new token)); and the
+device time of one replay of the engine's decode graph for that batch (the
+forward alone, between CUDA events, median of 10; as
+bench/profile_decode_gpu.py), which the host's noise does not reach.
+
+Per-shape kernel times against cuBLAS: ``python bench/kernels_gpu.py --only linear``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from atom.ops._C_loader import get_C  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--eager", action="store_true", help="both engines with enforce_eager (no CUDA graphs)")
+    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or get_C() is None or not hasattr(get_C(), "gemv"):
+        sys.exit("bench/linear_gpu.py needs a CUDA GPU and atom._C built with gemv "
+                 "(python setup.py build_ext --inplace)")  # fmt: skip
+
+    from atom import LLM, SamplingParams
+    from atom.ops.cuda import linear as linear_mod
+    from bench.decode_gpu import make_model, timed
+    from bench.profile_decode_gpu import _replay_split
+
+    make_model(args.ckpt)
+    torch.cuda.empty_cache()
+    limits = {"gemv": linear_mod.GEMV_MAX_TOKENS, "cublas": 0}
+    gen = torch.Generator().manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}; gemv limit {limits['gemv']} tokens (one for any matrix); "
+          f"eager {args.eager}")
+    print(f"{'batch':>5} {'round':>5} | {'gemv tok/s':>10} {'cuBLAS tok/s':>12} {'x':>5} | "
+          f"{'gemv replay ms':>14} {'cuBLAS replay ms':>16} {'x':>5}")  # fmt: skip
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [{"prompt_token_ids": q}
+                   for q in torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()]  # fmt: skip
+        engines = {}
+        for name, limit in limits.items():  # each engine captures its graphs with its own setting
+            linear_mod.GEMV_MAX_TOKENS = limit
+            engines[name] = LLM(args.ckpt, dtype="bfloat16", device="cuda", max_num_seqs=batch,
+                                max_model_len=args.input_len + args.output_len + 8,
+                                max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
+                                enforce_eager=args.eager, kv_cache_memory=2 << 30)  # fmt: skip
+
+        def measure(name: str) -> tuple[float, float]:
+            """(decode tok/s, ms of one decode-graph replay; nan with --eager)"""
+            llm, n_new = engines[name], args.output_len
+            linear_mod.GEMV_MAX_TOKENS = limits[name]
+
+            def run(n):
+                llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n), use_tqdm=False)
+
+            run(1 + n_new)
+            t1 = sorted(timed(lambda: run(1)) for _ in range(3))[1]
+            tn = sorted(timed(lambda: run(1 + n_new)) for _ in range(3))[1]
+            graphs = llm.engine.runner.decode_graphs  # its buffers hold the last real step's rows
+            replay = float("nan")
+            if graphs is not None:
+                replay = _replay_split(graphs, next(s for s in graphs.sizes if s >= batch))[1]
+            return batch * n_new / (tn - t1), replay
+
+        for r in range(args.rounds):
+            got = {name: measure(name) for name in (("gemv", "cublas") if r % 2 == 0 else ("cublas", "gemv"))}
+            (g_tps, g_ms), (c_tps, c_ms) = got["gemv"], got["cublas"]
+            print(f"{batch:>5} {r + 1:>5} | {g_tps:>10.0f} {c_tps:>12.0f} {g_tps / c_tps:>5.2f} | "
+                  f"{g_ms:>14.3f} {c_ms:>16.3f} {c_ms / g_ms:>5.2f}", flush=True)  # fmt: skip
+        linear_mod.GEMV_MAX_TOKENS = limits["gemv"]
+        del engines
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
