@@ -14,21 +14,20 @@ links against torch's C++ ABI.
     mla_decode            MLA absorbed decode attention over the paged latent cache
     write_latent_cache    MLA cache rows [latent | k_rot] at slot_mapping
     sample_tokens         one token per logits row: temperature, top-k, top-p, min-p, exponential race
-    linear                F.linear at decode batch sizes: each weight row read once for the step's tokens
 
 ``kernels_apply(*tensors)`` says whether the kernels run on given tensors
 (layers use it to pick the kernel-shaped path).
 
-Whole-block gathers/scatters for P/D and offload live in ``atom.ops.cache_ops``.
+Whole-block gathers/scatters for P/D and offload live in ``atom.ops.cache_ops``; dense linears at decode
+batch sizes (``csrc/gemv.cu``) in ``atom.ops.cuda.linear``, which the layers' ``Linear`` calls.
 """
 
 from atom.ops.cuda._launch import kernels_apply
 from atom.ops.cuda.kda import conv1d_prefill, conv1d_update, kda_decode
 from atom.ops.cuda.kda_prefill import kda_prefill
-from atom.ops.cuda.linear import linear
 from atom.ops.cuda.mla import mla_decode, write_latent_cache
 from atom.ops.cuda.norm import gated_rmsnorm
 from atom.ops.cuda.sampling import sample_tokens
 
 __all__ = ["kernels_apply", "kda_decode", "kda_prefill", "conv1d_update", "conv1d_prefill", "gated_rmsnorm",
-           "mla_decode", "write_latent_cache", "sample_tokens", "linear"]
+           "mla_decode", "write_latent_cache", "sample_tokens"]
