@@ -278,6 +278,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("shared_inter"), py::arg("addend"), py::arg("out"), py::arg("dim"), py::arg("dtype"),
       py::arg("stream"));
 
+  m.def("set_programmatic_launch", &atom::set_programmatic_launch,
+        "launch the kernels with programmatic dependent launch (sm_90+; elsewhere it stays off)", py::arg("on"));
+  m.def("programmatic_launch", &atom::programmatic_launch, "whether kernels launch with programmatic dependent launch");
+
   m.def(
       "gemv",
       [](uintptr_t x, int64_t x_stride, int64_t tokens, uintptr_t w, int64_t rows, int64_t dim, uintptr_t bias,

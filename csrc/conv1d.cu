@@ -39,6 +39,7 @@ constexpr int kThreads = 256;
 
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
+  pdl_enter();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t b = blockIdx.y;
   if (c >= p.channels) return;
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
 template <typename T, int W>
 const char* launch(const ConvParams& p, int64_t batch, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div(p.channels, kThreads)), static_cast<unsigned>(batch));
-  conv1d_update_kernel<T, W><<<grid, kThreads, 0, stream>>>(p);
+  launch_kernel(conv1d_update_kernel<T, W>, grid, kThreads, 0, stream, p);
   return last_launch_error();
 }
 
@@ -141,6 +142,7 @@ __device__ __forceinline__ const T* state_row_of(const ConvPrefillParams& p, int
 // and the pointers allow it) over kRows rows; kN = 1 is the general form.
 template <typename T, int W, int kN, int kRows>
 __global__ void __launch_bounds__(kThreads, 1) conv1d_prefill_kernel(ConvPrefillParams p) {
+  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * kThreads + threadIdx.x) * kN;
   if (c >= p.channels) return;
@@ -206,6 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) conv1d_prefill_kernel(ConvPrefill
 // row has read the old states (a slot may be both read and written).
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads) conv1d_prefill_state_kernel(ConvPrefillParams p, const int64_t* out_slots) {
+  pdl_enter();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int b = blockIdx.y;
   if (c >= p.channels || p.in_slots[b] < 0 || out_slots[b] < 0) return;
@@ -234,16 +237,16 @@ const char* launch_prefill(const ConvPrefillParams& p, const int64_t* out_slots,
     if (vec) {
       const dim3 grid(static_cast<unsigned>(ceil_div(rows, kRowsVec)),
                       static_cast<unsigned>(ceil_div(p.channels, kThreads * kN)));
-      conv1d_prefill_kernel<T, W, kN, kRowsVec><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(conv1d_prefill_kernel<T, W, kN, kRowsVec>, grid, kThreads, 0, stream, p);
     } else {
       const dim3 grid(static_cast<unsigned>(ceil_div(rows, kPrefillRows)), static_cast<unsigned>(channel_blocks));
-      conv1d_prefill_kernel<T, W, 1, kPrefillRows><<<grid, kThreads, 0, stream>>>(p);
+      launch_kernel(conv1d_prefill_kernel<T, W, 1, kPrefillRows>, grid, kThreads, 0, stream, p);
     }
     if (const char* err = last_launch_error()) return err;
   }
-  conv1d_prefill_state_kernel<T, W>
-      <<<dim3(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(p.num_seqs)), kThreads, 0, stream>>>(
-          p, out_slots);
+  launch_kernel(conv1d_prefill_state_kernel<T, W>,
+                dim3(static_cast<unsigned>(channel_blocks), static_cast<unsigned>(p.num_seqs)), kThreads, 0, stream, p,
+                out_slots);
   return last_launch_error();
 }
 

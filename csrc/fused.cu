@@ -51,6 +51,7 @@ __global__ void __launch_bounds__(kNormThreads)
     rms_norm_kernel(const T* __restrict__ x, int64_t x_stride, const T* __restrict__ residual, int64_t residual_stride,
                     T* __restrict__ sum, int64_t sum_stride, const T* __restrict__ weight, T* __restrict__ out,
                     int64_t out_stride, int dim, float eps) {
+  pdl_enter();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   const T* rr = residual == nullptr ? nullptr : residual + row * residual_stride;
@@ -121,6 +122,7 @@ __global__ void __launch_bounds__(kNormThreads)
 // kN elements a thread: 16-byte vectors where rows, strides and width allow (16 / sizeof(T)), else 1.
 template <typename T, int kN>
 __global__ void silu_mul_kernel(const T* x, int64_t x_stride, T* out, int64_t out_stride, int64_t rows, int64_t width) {
+  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t vecs = width / kN, n = rows * vecs;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -145,6 +147,7 @@ __global__ void silu_mul_kernel(const T* x, int64_t x_stride, T* out, int64_t ou
 template <typename T, int kN>
 __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bias, const T* a_log, const T* b,
                                 int64_t b_stride, float* g, float* beta, int64_t tokens, int heads, int head_dim) {
+  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t channels = static_cast<int64_t>(heads) * head_dim, vecs = channels / kN;
   const int64_t n_g = tokens * vecs, n = n_g + tokens * heads;
@@ -192,6 +195,7 @@ template <typename T>
 __global__ void __launch_bounds__(kRouterThreads)
     router_logits_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                          float* __restrict__ logits, int experts, int dim, int split, bool vec) {
+  pdl_enter();
   constexpr int kRouterBatch = sizeof(T) == 4 ? 4 : 5;
   __shared__ float partial[kRouterThreads / kGroup];
   const int64_t t = blockIdx.x;
@@ -257,6 +261,7 @@ constexpr int kMaxExpertsPerLane = 8;  // up to 256 experts
 __global__ void __launch_bounds__(kRowsPerBlock * kGroup)
     moe_route_kernel(const float* logits, int64_t logits_stride, const float* bias, int64_t tokens, int experts,
                      int top_k, bool renormalize, float scale, int64_t* ids, float* weights) {
+  pdl_enter();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kGroup;
   if (t >= tokens) return;
   const int lane = threadIdx.x % kGroup;
@@ -320,6 +325,7 @@ constexpr int kAlignChunk = 4096;  // pairs staged in shared memory at a time
 __global__ void __launch_bounds__(kAlignThreads)
     moe_align_kernel(const int64_t* ids, int64_t pairs, int experts, int top_k, int64_t* src_token, int64_t* pos,
                      int32_t* ends) {
+  pdl_enter();
   __shared__ int32_t chunk[kAlignChunk];
   __shared__ int32_t seg_count[kAlignThreads];  // [segment][expert]
   __shared__ int64_t base[1024];                 // per expert: first row not yet handed out
@@ -388,6 +394,7 @@ constexpr int64_t kAlignTiledMinPairs = 3072;
 
 __global__ void __launch_bounds__(kAlignTileThreads)
     moe_align_count_kernel(const int64_t* ids, int64_t pairs, int experts, int32_t* counts) {
+  pdl_enter();
   __shared__ int32_t hist[1024];
   for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kAlignTile;
@@ -409,6 +416,7 @@ __global__ void __launch_bounds__(kAlignTileThreads)
 __global__ void __launch_bounds__(kAlignTileThreads)
     moe_align_place_kernel(const int64_t* ids, int64_t pairs, int experts, int top_k, const int32_t* counts,
                            int64_t* src_token, int64_t* pos, int32_t* ends) {
+  pdl_enter();
   constexpr int kPer = 1024 / kAlignTileThreads;  // experts a thread sums (consecutive ones)
   __shared__ int32_t base[1024];                   // per expert: this tile's next row
   __shared__ int32_t scan[kAlignTileThreads];
@@ -479,6 +487,7 @@ __global__ void __launch_bounds__(kAlignTileThreads)
 template <typename T, int kN>
 __global__ void moe_combine_kernel(const T* y, const int64_t* pos, const float* weights, const T* addend, T* out,
                                    int64_t tokens, int top_k, int64_t dim, int64_t pick_stride) {
+  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t vecs = dim / kN, n = tokens * vecs;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -513,6 +522,7 @@ enum DecodeRow { kInputIds, kPositions, kSlotMapping, kStateSlots, kStateOutSlot
 
 __global__ void advance_decode_kernel(int64_t* rows, int64_t row_stride, const int64_t* tables, int64_t table_stride,
                                       const int64_t* next_ids, int64_t n, int64_t block_size) {
+  pdl_enter();
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= n) return;
   auto at = [&](DecodeRow r) -> int64_t& { return rows[r * row_stride + c]; };
@@ -548,7 +558,8 @@ const char* rms_norm(uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t 
     const int threads = static_cast<int>(units >= kNormThreads ? kNormThreads : ceil_div(units, kGroup) * kGroup);
     const int64_t per = ceil_div(units, threads);
     auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned>(rows), threads, 0, as_stream(stream)>>>(
+      launch_kernel(
+          kernel, static_cast<unsigned>(rows), threads, 0, as_stream(stream),
           reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const scalar_t*>(residual),
           residual_stride, reinterpret_cast<scalar_t*>(sum), sum_stride, reinterpret_cast<const scalar_t*>(weight),
           reinterpret_cast<scalar_t*>(out), out_stride, static_cast<int>(dim), static_cast<float>(eps));
@@ -569,8 +580,9 @@ const char* silu_mul(uintptr_t x, int64_t x_stride, uintptr_t out, int64_t out_s
     constexpr int kN = 16 / sizeof(scalar_t);
     const bool vec = x % 16 == 0 && out % 16 == 0 && width % kN == 0 && x_stride % kN == 0 && out_stride % kN == 0;
     auto launch = [&](auto kernel, int n) {
-      kernel<<<elementwise_blocks(rows * width / n), kThreads, 0, as_stream(stream)>>>(
-          reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<scalar_t*>(out), out_stride, rows, width);
+      launch_kernel(kernel, elementwise_blocks(rows * width / n), kThreads, 0, as_stream(stream),
+                    reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<scalar_t*>(out), out_stride, rows,
+                    width);
       return last_launch_error();
     };
     return vec ? launch(silu_mul_kernel<scalar_t, kN>, kN) : launch(silu_mul_kernel<scalar_t, 1>, 1);
@@ -586,7 +598,8 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
     constexpr int kN = 16 / sizeof(scalar_t);
     const bool vec = f % 16 == 0 && dt_bias % 16 == 0 && g % 16 == 0 && head_dim % kN == 0 && f_stride % kN == 0;
     auto launch = [&](auto kernel, int n) {
-      kernel<<<elementwise_blocks(tokens * heads * (head_dim / n + 1)), kThreads, 0, as_stream(stream)>>>(
+      launch_kernel(
+          kernel, elementwise_blocks(tokens * heads * (head_dim / n + 1)), kThreads, 0, as_stream(stream),
           reinterpret_cast<const scalar_t*>(f), f_stride, reinterpret_cast<const float*>(dt_bias),
           reinterpret_cast<const scalar_t*>(a_log), reinterpret_cast<const scalar_t*>(b), b_stride,
           reinterpret_cast<float*>(g), reinterpret_cast<float*>(beta), tokens, static_cast<int>(heads),
@@ -605,7 +618,8 @@ const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintp
   const int split = static_cast<int>(experts >= groups ? 1 : groups / experts);  // groups summing one expert
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "router_logits", [&]() {
     const bool vec = dim % 4 == 0 && weight % 16 == 0 && x % (4 * sizeof(scalar_t)) == 0 && x_stride % 4 == 0;
-    router_logits_kernel<scalar_t><<<static_cast<unsigned>(tokens), kRouterThreads, 0, as_stream(stream)>>>(
+    launch_kernel(
+        router_logits_kernel<scalar_t>, static_cast<unsigned>(tokens), kRouterThreads, 0, as_stream(stream),
         reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
         reinterpret_cast<float*>(logits), static_cast<int>(experts), static_cast<int>(dim), split, vec);
     return last_launch_error();
@@ -618,11 +632,11 @@ const char* moe_route(uintptr_t logits, int64_t logits_stride, uintptr_t bias, i
   if (experts < 1 || experts > kGroup * kMaxExpertsPerLane) return "moe_route: takes 1 to 256 experts";
   if (top_k < 1 || top_k > experts || top_k > kGroup) return "moe_route: needs 1 <= top_k <= min(experts, 32)";
   if (tokens <= 0) return tokens < 0 ? "moe_route: tokens < 0" : nullptr;
-  moe_route_kernel<<<static_cast<unsigned>(ceil_div(tokens, kRowsPerBlock)), kRowsPerBlock * kGroup, 0,
-                     as_stream(stream)>>>(reinterpret_cast<const float*>(logits), logits_stride,
-                                          reinterpret_cast<const float*>(bias), tokens, static_cast<int>(experts),
-                                          static_cast<int>(top_k), renormalize, static_cast<float>(scale),
-                                          reinterpret_cast<int64_t*>(ids), reinterpret_cast<float*>(weights));
+  launch_kernel(moe_route_kernel, static_cast<unsigned>(ceil_div(tokens, kRowsPerBlock)), kRowsPerBlock * kGroup, 0,
+                as_stream(stream), reinterpret_cast<const float*>(logits), logits_stride,
+                reinterpret_cast<const float*>(bias), tokens, static_cast<int>(experts), static_cast<int>(top_k),
+                renormalize, static_cast<float>(scale), reinterpret_cast<int64_t*>(ids),
+                reinterpret_cast<float*>(weights));
   return last_launch_error();
 }
 
@@ -636,18 +650,18 @@ const char* moe_align(uintptr_t ids, int64_t pairs, int64_t experts, int64_t top
   auto* pos_ptr = reinterpret_cast<int64_t*>(pos);
   auto* ends_ptr = reinterpret_cast<int32_t*>(ends);
   if (pairs < kAlignTiledMinPairs) {
-    moe_align_kernel<<<1, kAlignThreads, 0, as_stream(stream)>>>(id_ptr, pairs, static_cast<int>(experts),
-                                                                 static_cast<int>(top_k), src_ptr, pos_ptr, ends_ptr);
+    launch_kernel(moe_align_kernel, 1, kAlignThreads, 0, as_stream(stream), id_ptr, pairs, static_cast<int>(experts),
+                  static_cast<int>(top_k), src_ptr, pos_ptr, ends_ptr);
     return last_launch_error();
   }
   if (workspace == 0) return "moe_align: needs moe_align_workspace_ints(pairs, experts) int32 of workspace";
   const auto tiles = static_cast<unsigned>(ceil_div(pairs, kAlignTile));
   auto* counts = reinterpret_cast<int32_t*>(workspace);
-  moe_align_count_kernel<<<tiles, kAlignTileThreads, 0, as_stream(stream)>>>(id_ptr, pairs, static_cast<int>(experts),
-                                                                             counts);
+  launch_kernel(moe_align_count_kernel, tiles, kAlignTileThreads, 0, as_stream(stream), id_ptr, pairs,
+                static_cast<int>(experts), counts);
   if (const char* err = last_launch_error()) return err;
-  moe_align_place_kernel<<<tiles, kAlignTileThreads, 0, as_stream(stream)>>>(
-      id_ptr, pairs, static_cast<int>(experts), static_cast<int>(top_k), counts, src_ptr, pos_ptr, ends_ptr);
+  launch_kernel(moe_align_place_kernel, tiles, kAlignTileThreads, 0, as_stream(stream), id_ptr, pairs,
+                static_cast<int>(experts), static_cast<int>(top_k), counts, src_ptr, pos_ptr, ends_ptr);
   return last_launch_error();
 }
 
@@ -663,7 +677,8 @@ const char* moe_combine(uintptr_t y, uintptr_t pos, uintptr_t weights, uintptr_t
     constexpr int kN = 16 / sizeof(scalar_t);
     const bool vec = y % 16 == 0 && addend % 16 == 0 && out % 16 == 0 && dim % kN == 0;
     auto launch = [&](auto kernel, int n) {
-      kernel<<<elementwise_blocks(tokens * dim / n), kThreads, 0, as_stream(stream)>>>(
+      launch_kernel(
+          kernel, elementwise_blocks(tokens * dim / n), kThreads, 0, as_stream(stream),
           reinterpret_cast<const scalar_t*>(y), reinterpret_cast<const int64_t*>(pos),
           reinterpret_cast<const float*>(weights), reinterpret_cast<const scalar_t*>(addend),
           reinterpret_cast<scalar_t*>(out), tokens, static_cast<int>(top_k), dim, pick_stride);
@@ -678,7 +693,8 @@ const char* advance_decode(uintptr_t rows, int64_t row_stride, uintptr_t tables,
   if (n < 0 || block_size < 1) return "advance_decode: needs n >= 0 and block_size >= 1";
   if (row_stride < n) return "advance_decode: row_stride < n (the rows would overlap)";
   if (n == 0) return nullptr;
-  advance_decode_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, as_stream(stream)>>>(
+  launch_kernel(
+      advance_decode_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, as_stream(stream),
       reinterpret_cast<int64_t*>(rows), row_stride, reinterpret_cast<const int64_t*>(tables), table_stride,
       reinterpret_cast<const int64_t*>(next_ids), n, block_size);
   return last_launch_error();

@@ -40,6 +40,7 @@ template <typename T, int kN, int kTokens>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const T* __restrict__ x, int64_t x_stride, int tokens, const T* __restrict__ w, int rows, int dim,
                 const T* __restrict__ bias, T* __restrict__ out, int64_t out_stride, int k_split) {
+  pdl_enter();
   using V = Pack<T, kN>;
   __shared__ float part[kWarps][kRows][kTokens];  // each warp's sums, added in warp order below
   const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
@@ -120,8 +121,8 @@ const char* launch_gemv(const T* x, int64_t x_stride, int tokens, const T* w, in
   if (k_split == 0) k_split = choose_k_split(rows, dim / kN, sms);
   const int64_t blocks = ceil_div(rows, static_cast<int64_t>(kWarps / k_split) * kRows);
   if (blocks > INT32_MAX) return "gemv: too many rows";
-  gemv_kernel<T, kN, kTokens><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      x, x_stride, tokens, w, rows, dim, bias, out, out_stride, k_split);
+  launch_kernel(gemv_kernel<T, kN, kTokens>, static_cast<unsigned>(blocks), kThreads, 0, stream, x, x_stride, tokens,
+                w, rows, dim, bias, out, out_stride, k_split);
   return last_launch_error();
 }
 

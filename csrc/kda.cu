@@ -103,6 +103,7 @@ constexpr int kColsPerTile = 4 * kGroup;  // 128 columns: 32 lanes x float4
 // grid (H, B, ceil(V / 128)), block NW * 32 threads.
 template <typename T, int K, int NW>
 __global__ void __launch_bounds__(NW * 32, 16 / NW) kda_decode_fast_kernel(KdaParams p) {
+  pdl_enter();
   constexpr int kRows = K / NW;  // rows of S per warp
   __shared__ float q_s[K], k_s[K], d_s[K];
   __shared__ float4 red[2][NW][kGroup];
@@ -189,6 +190,7 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) kda_decode_fast_kernel(KdaPa
 // grid (H, B), block 128, dynamic smem 3 * K floats.
 template <typename T>
 __global__ void __launch_bounds__(128) kda_decode_generic_kernel(KdaParams p) {
+  pdl_enter();
   float* smem = dynamic_shared<float>();
   float* q_s = smem;
   float* k_s = smem + p.key_dim;
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(128) kda_decode_generic_kernel(KdaParams p) {
 template <typename T, int K, int NW>
 const char* launch_fast(const KdaParams& p, int64_t batch, cudaStream_t stream) {
   const dim3 grid(p.heads, static_cast<unsigned>(batch), static_cast<unsigned>(ceil_div(p.value_dim, kColsPerTile)));
-  kda_decode_fast_kernel<T, K, NW><<<grid, NW * 32, 0, stream>>>(p);
+  launch_kernel(kda_decode_fast_kernel<T, K, NW>, grid, NW * 32, 0, stream, p);
   return last_launch_error();
 }
 
@@ -286,7 +288,7 @@ const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int
     if (aligned && key_dim == 64) return launch_fast<scalar_t, 64, 4>(p, batch, st);
     const size_t smem = 3 * static_cast<size_t>(key_dim) * sizeof(float);
     if (smem > 48 * 1024) return "kda_decode: key_dim too large (at most 4096)";
-    kda_decode_generic_kernel<scalar_t><<<dim3(heads, batch), 128, smem, st>>>(p);
+    launch_kernel(kda_decode_generic_kernel<scalar_t>, dim3(heads, batch), 128, smem, st, p);
     return last_launch_error();
   });
 }

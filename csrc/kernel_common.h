@@ -50,6 +50,16 @@ __device__ __forceinline__ T* dynamic_shared() {
 
 constexpr int kGroup = 32;  // threads per reduction group ("warp")
 
+// The first statement of every kernel started by launch_kernel (portability.h): wait until the kernel before
+// it in the stream has finished and its writes are visible, then let the kernel after it be scheduled. A
+// no-op for a kernel launched without the attribute, and outside sm_90+.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16_t x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(fp16_t x) { return __half2float(x); }

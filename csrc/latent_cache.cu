@@ -24,6 +24,7 @@ constexpr int kTokensPerBlock = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kTokensPerBlock * 32) write_latent_cache_kernel(WriteParams p) {
+  pdl_enter();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + threadIdx.x / kGroup;
   if (t >= p.num_tokens) return;
   const int lane = threadIdx.x % kGroup;
@@ -54,7 +55,7 @@ const char* write_latent_cache(uintptr_t cache, int64_t block_stride, int64_t ro
   const dim3 grid(static_cast<unsigned>(ceil_div(num_tokens, kTokensPerBlock)));
   cudaStream_t st = as_stream(stream);
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "write_latent_cache", [&]() -> const char* {
-    write_latent_cache_kernel<scalar_t><<<grid, kTokensPerBlock * 32, 0, st>>>(p);
+    launch_kernel(write_latent_cache_kernel<scalar_t>, grid, kTokensPerBlock * 32, 0, st, p);
     return last_launch_error();
   });
 }

@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(kUpThreads)
     moe_gemv_up_kernel(const T* __restrict__ x, int64_t x_stride, const int64_t* __restrict__ ids, int64_t pairs,
                        int top_k, const T* __restrict__ w, int64_t expert_stride, int routed_inter,
                        const T* __restrict__ shared_w, int shared_inter, T* __restrict__ act, int dim) {
+  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t p = blockIdx.x;  // blocks past the pairs: the shared expert on token p - pairs
   const bool shared = p >= pairs;
@@ -132,6 +133,7 @@ __global__ void __launch_bounds__(kThreads)
                          int top_k, const T* __restrict__ w, int64_t expert_stride, int inter,
                          const T* __restrict__ shared_act, const T* __restrict__ shared_w, int shared_inter,
                          const T* __restrict__ addend, T* __restrict__ out, int dim) {
+  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x % kGroup;
@@ -189,7 +191,8 @@ const char* moe_gemv_up(uintptr_t x, int64_t x_stride, uintptr_t ids, int64_t to
     const bool vec = dim % kN == 0 && x % 16 == 0 && x_stride % kN == 0 && w % 16 == 0 && expert_stride % kN == 0 &&
                      shared_w % 16 == 0;
     auto launch = [&](auto kernel) {
-      kernel<<<grid, kUpThreads, 0, as_stream(stream)>>>(
+      launch_kernel(
+          kernel, grid, kUpThreads, 0, as_stream(stream),
           reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const int64_t*>(ids), pairs,
           static_cast<int>(top_k), reinterpret_cast<const scalar_t*>(w), expert_stride, static_cast<int>(inter),
           reinterpret_cast<const scalar_t*>(shared_w), static_cast<int>(shared_inter),
@@ -223,7 +226,8 @@ const char* moe_gemv_down(uintptr_t act, uintptr_t ids, uintptr_t weights, int64
     const bool vec = inter % kN == 0 && act % 16 == 0 && w % 16 == 0 && expert_stride % kN == 0 &&
                      (shared_w == 0 || (shared_inter % kN == 0 && shared_act % 16 == 0 && shared_w % 16 == 0));
     auto launch = [&](auto kernel) {
-      kernel<<<grid, kThreads, 0, as_stream(stream)>>>(
+      launch_kernel(
+          kernel, grid, kThreads, 0, as_stream(stream),
           reinterpret_cast<const scalar_t*>(act), reinterpret_cast<const int64_t*>(ids),
           reinterpret_cast<const float*>(weights), static_cast<int>(top_k), reinterpret_cast<const scalar_t*>(w),
           expert_stride, static_cast<int>(inter), reinterpret_cast<const scalar_t*>(shared_act),

@@ -36,6 +36,7 @@ constexpr int kCached = 4;  // vectors per lane kept in registers between the tw
 // re-read the rest.
 template <typename T, int N>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) gated_rmsnorm_kernel(NormParams p) {
+  pdl_enter();
   using V = Vec<T, N>;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kGroup;
   if (row >= p.rows) return;  // whole group: no shuffle is left half-empty
@@ -93,16 +94,16 @@ const char* launch(const NormParams& p, cudaStream_t stream) {
   const int threads = kRowsPerBlock * 32;
   switch (n) {
     case 8:
-      gated_rmsnorm_kernel<T, 8><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(gated_rmsnorm_kernel<T, 8>, grid, threads, 0, stream, p);
       break;
     case 4:
-      gated_rmsnorm_kernel<T, 4><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(gated_rmsnorm_kernel<T, 4>, grid, threads, 0, stream, p);
       break;
     case 2:
-      gated_rmsnorm_kernel<T, 2><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(gated_rmsnorm_kernel<T, 2>, grid, threads, 0, stream, p);
       break;
     default:
-      gated_rmsnorm_kernel<T, 1><<<grid, threads, 0, stream>>>(p);
+      launch_kernel(gated_rmsnorm_kernel<T, 1>, grid, threads, 0, stream, p);
   }
   return last_launch_error();
 }

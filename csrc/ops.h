@@ -271,6 +271,12 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
                           uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
                           int64_t rows, int64_t vocab, uintptr_t stream);
 
+// ---- launch.cu: programmatic dependent launch of the kernels (portability.h's launch_kernel), on by
+// default on sm_90+ unless ATOM_PDL=0. Turning it on elsewhere leaves it off. Kernels already captured in a
+// CUDA graph keep the setting they were captured with.
+void set_programmatic_launch(bool on);
+bool programmatic_launch();
+
 // ---- gemv.cu: dense linears at decode batch sizes.
 //
 // gemv: x [tokens, dim] (row stride x_stride, rows contiguous), w [rows, dim]

@@ -43,7 +43,11 @@ constexpr int kWarpSize = 32;
 
 #endif
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 namespace atom {
 
@@ -56,6 +60,61 @@ inline const char* last_launch_error() {
 
 inline cudaStream_t as_stream(uintptr_t stream) {
   return reinterpret_cast<cudaStream_t>(stream);
+}
+
+// Programmatic dependent launch (NVIDIA sm_90+). A kernel started by launch_kernel may be scheduled while
+// the kernel before it in the stream still runs; it first waits, in pdl_enter() (kernel_common.h, the first
+// statement of every such kernel), until that kernel has finished and its writes are visible, then lets the
+// kernel after it be scheduled. So a kernel's launch and block start-up overlap the one before, as in a
+// decode graph's long chain of small kernels, and no kernel touches memory before its predecessor is done.
+// pdl_state: -1 until the first launch decides (ATOM_PDL=0 turns it off; on by default where supported),
+// then 0 or 1; set_pdl() changes it (kernels captured in a CUDA graph keep the setting they were captured with).
+inline std::atomic<int> pdl_state{-1};
+
+inline bool pdl_supported() {
+#if defined(__HIPCC__) || defined(USE_ROCM)
+  return false;
+#else
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9;
+#endif
+}
+
+inline void set_pdl(bool on) { pdl_state.store(on && pdl_supported() ? 1 : 0); }
+
+inline bool pdl_enabled() {
+  int state = pdl_state.load(std::memory_order_relaxed);
+  if (state < 0) {
+    const char* env = std::getenv("ATOM_PDL");
+    set_pdl(env == nullptr || std::strcmp(env, "0") != 0);
+    state = pdl_state.load();
+  }
+  return state == 1;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with the programmatic-dependent-launch attribute where
+// pdl_enabled(). Errors are left for last_launch_error(), as after <<<>>>.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+#if !defined(__HIPCC__) && !defined(USE_ROCM)
+  if (pdl_enabled()) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+    return;
+  }
+#endif
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
 }
 
 }  // namespace atom

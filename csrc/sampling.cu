@@ -274,6 +274,7 @@ __device__ uint64_t select_key(Shared& sh, const float* x, const SampleParams& p
 }
 
 __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
+  pdl_enter();
   __shared__ Shared sh;
   const int row = blockIdx.x;
   const float* x = p.logits + row * p.logits_stride;
@@ -346,7 +347,7 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
                  reinterpret_cast<int64_t*>(out),
                  static_cast<int>(vocab),
                  index_bits};
-  sample_kernel<<<static_cast<unsigned>(rows), kThreads, 0, as_stream(stream)>>>(p);
+  launch_kernel(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, as_stream(stream), p);
   return last_launch_error();
 }
 

@@ -110,6 +110,28 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
     assert graphs == sync == eager == cpu
 
 
+def test_gpu_programmatic_launch_changes_no_token(tmp_path, graph_replays):
+    """Kernels launch with programmatic dependent launch on sm_90+ unless ATOM_PDL=0; eager steps and graph
+    replays give the same tokens with it on and off, and the CPU's."""
+    import os
+
+    C = get_C()
+    expected = torch.cuda.get_device_capability()[0] >= 9 and os.environ.get("ATOM_PDL") != "0"
+    assert C.programmatic_launch() == expected
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    runs = {}
+    try:
+        for on in (True, False):
+            C.set_programmatic_launch(on)
+            assert C.programmatic_launch() == (on and torch.cuda.get_device_capability()[0] >= 9)
+            runs[on] = (_generate(path, device="cuda", enforce_eager=True),
+                        _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16))  # fmt: skip
+    finally:
+        C.set_programmatic_launch(expected)
+    assert graph_replays
+    assert runs[True][0] == runs[True][1] == runs[False][0] == runs[False][1] == _generate(path)
+
+
 def test_gpu_overlap_is_the_default_on_cuda(tmp_path):
     from atom.config import EngineConfig
 

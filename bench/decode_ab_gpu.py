@@ -1,14 +1,16 @@
-"""Decode tokens/s with the dense-linear kernel (``csrc/gemv.cu``) against cuBLAS, side by side.
+"""Decode with one GPU setting on against off, two engines side by side in one process.
 
-    python bench/linear_gpu.py                       # batch 1, 2, 4, 8; 3 alternating rounds
-    python bench/linear_gpu.py --batches 1 --rounds 5 --eager
+    python bench/decode_ab_gpu.py --switch gemv      # the dense-linear kernel (csrc/gemv.cu) against cuBLAS
+    python bench/decode_ab_gpu.py --switch pdl       # kernels with programmatic dependent launch, or without
+    python bench/decode_ab_gpu.py --batches 1 --rounds 5 --eager
 
 Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
-(bf16) live in one process: one captured its CUDA graphs with the kernel
-(``atom.ops.cuda.linear.GEMV_MAX_TOKENS`` at its default), one with every
-linear on ``F.linear`` (the limit at 0). Each round times both, in turn, the
-order alternating; the setting is switched with the engine, so the steps
-outside the graphs (prefill, lm_head) follow it too. Decode tok/s as in
+(bf16) live in one process: one captured its CUDA graphs with the setting on
+(``gemv``: ``atom.ops.cuda.linear.GEMV_MAX_TOKENS`` at its default; ``pdl``:
+``atom._C.set_programmatic_launch(True)``), one with it off (the limit at 0:
+every linear on ``F.linear``; launches without the attribute). Each round
+times both, in turn, the order alternating; the setting is switched with the
+engine, so the steps outside the graphs (prefill, lm_head) follow it too. Decode tok/s as in
 decode_gpu.py: batch * N / (t(1 + N new tokens) - t(1 new token)); and the
 device time of one replay of the engine's decode graph for that batch (the
 forward alone, between CUDA events, median of 10; as
@@ -32,6 +34,7 @@ from atom.ops._C_loader import get_C  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--switch", choices=("gemv", "pdl"), default="gemv")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
@@ -40,7 +43,7 @@ def main() -> None:
     p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
     args = p.parse_args()
     if not torch.cuda.is_available() or get_C() is None or not hasattr(get_C(), "gemv"):
-        sys.exit("bench/linear_gpu.py needs a CUDA GPU and atom._C built with gemv "
+        sys.exit("bench/decode_ab_gpu.py needs a CUDA GPU and atom._C built with gemv "
                  "(python setup.py build_ext --inplace)")  # fmt: skip
 
     from atom import LLM, SamplingParams
@@ -50,18 +53,26 @@ def main() -> None:
 
     make_model(args.ckpt)
     torch.cuda.empty_cache()
-    limits = {"gemv": linear_mod.GEMV_MAX_TOKENS, "cublas": 0}
+    C, limit = get_C(), linear_mod.GEMV_MAX_TOKENS
+    if args.switch == "gemv":
+        settings = {"on": lambda: setattr(linear_mod, "GEMV_MAX_TOKENS", limit),
+                    "off": lambda: setattr(linear_mod, "GEMV_MAX_TOKENS", 0)}  # fmt: skip
+    else:
+        C.set_programmatic_launch(True)
+        if not C.programmatic_launch():
+            sys.exit("programmatic dependent launch needs an NVIDIA GPU of compute capability >= 9")
+        settings = {"on": lambda: C.set_programmatic_launch(True), "off": lambda: C.set_programmatic_launch(False)}
     gen = torch.Generator().manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}; gemv limit {limits['gemv']} tokens (one for any matrix); "
-          f"eager {args.eager}")
-    print(f"{'batch':>5} {'round':>5} | {'gemv tok/s':>10} {'cuBLAS tok/s':>12} {'x':>5} | "
-          f"{'gemv replay ms':>14} {'cuBLAS replay ms':>16} {'x':>5}")  # fmt: skip
+    print(f"device: {torch.cuda.get_device_name()}; {args.switch} on against off; gemv limit {limit} tokens (one "
+          f"for any matrix); eager {args.eager}")
+    print(f"{'batch':>5} {'round':>5} | {'on tok/s':>10} {'off tok/s':>10} {'x':>5} | "
+          f"{'on replay ms':>12} {'off replay ms':>13} {'x':>5}")  # fmt: skip
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [{"prompt_token_ids": q}
                    for q in torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()]  # fmt: skip
         engines = {}
-        for name, limit in limits.items():  # each engine captures its graphs with its own setting
-            linear_mod.GEMV_MAX_TOKENS = limit
+        for name, apply in settings.items():  # each engine captures its graphs with its own setting
+            apply()
             engines[name] = LLM(args.ckpt, dtype="bfloat16", device="cuda", max_num_seqs=batch,
                                 max_model_len=args.input_len + args.output_len + 8,
                                 max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
@@ -70,7 +81,7 @@ def main() -> None:
         def measure(name: str) -> tuple[float, float]:
             """(decode tok/s, ms of one decode-graph replay; nan with --eager)"""
             llm, n_new = engines[name], args.output_len
-            linear_mod.GEMV_MAX_TOKENS = limits[name]
+            settings[name]()
 
             def run(n):
                 llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n), use_tqdm=False)
@@ -85,11 +96,11 @@ def main() -> None:
             return batch * n_new / (tn - t1), replay
 
         for r in range(args.rounds):
-            got = {name: measure(name) for name in (("gemv", "cublas") if r % 2 == 0 else ("cublas", "gemv"))}
-            (g_tps, g_ms), (c_tps, c_ms) = got["gemv"], got["cublas"]
-            print(f"{batch:>5} {r + 1:>5} | {g_tps:>10.0f} {c_tps:>12.0f} {g_tps / c_tps:>5.2f} | "
-                  f"{g_ms:>14.3f} {c_ms:>16.3f} {c_ms / g_ms:>5.2f}", flush=True)  # fmt: skip
-        linear_mod.GEMV_MAX_TOKENS = limits["gemv"]
+            got = {name: measure(name) for name in (("on", "off") if r % 2 == 0 else ("off", "on"))}
+            (a_tps, a_ms), (b_tps, b_ms) = got["on"], got["off"]
+            print(f"{batch:>5} {r + 1:>5} | {a_tps:>10.0f} {b_tps:>10.0f} {a_tps / b_tps:>5.2f} | "
+                  f"{a_ms:>12.3f} {b_ms:>13.3f} {b_ms / a_ms:>5.2f}", flush=True)  # fmt: skip
+        settings["on"]()
         del engines
         torch.cuda.empty_cache()
 
