@@ -16,21 +16,12 @@ import torch.nn.functional as F
 from atom.ops._C_loader import get_C
 from atom.ops.cuda import linear as linear_mod
 from atom.ops.cuda.linear import linear, linear_ref
+from tests.test_fused_kernels_gpu import _poison_allocator
+from tests.test_kernels_gpu import rel_err
 
 HAS_KERNEL = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "gemv")
 gpu = pytest.mark.skipif(not HAS_KERNEL, reason="needs a CUDA GPU and a built atom._C with csrc/gemv.cu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
-    out, expected = out.detach().cpu().double(), expected.detach().cpu().double()
-    assert not out.isnan().any(), "output has NaNs (unwritten elements?)"
-    return ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def _poison_allocator() -> None:
-    junk = torch.full((64 << 20,), float("nan"), device="cuda")  # 256 MiB of the cache, freed as NaN
-    del junk
 
 
 def _inputs(tokens: int, rows: int, dim: int, dtype: torch.dtype, seed: int = 0):
