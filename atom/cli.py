@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, NoReturn
 
-from atom.config import EngineConfig, SpeculativeConfig
+from atom.config import LOAD_FORMATS, EngineConfig, SpeculativeConfig
 
 PROG = "atom-engine"
 DEFAULT_SERVED_NAME = "default"  # served model name of the bundled default model
@@ -32,6 +32,7 @@ _ENGINE_DESTS = (
     "model", "tokenizer", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
     "enable_prefix_caching", "enable_chunked_prefill", "num_gpu_blocks_override", "kv_cache_memory", "seed",
     "device", "speculative_config", "async_scheduling", "kv_transfer_config", "enforce_eager", "num_scheduler_steps",
+    "load_format",
 )
 
 
@@ -71,6 +72,9 @@ def _engine_flags() -> argparse.ArgumentParser:
                    help="local Hugging Face checkpoint folder (config.json + *.safetensors); "
                         "default: a small random Kimi-Linear model built into ~/.cache/atom")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder (default: the model folder)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS,
+                   help="auto: the model folder's *.safetensors; dummy: random weights of config.json's shape, "
+                        f"for benchmarks (the folder needs no weights) {_default('load_format')}")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help=f"weight and activation dtype; auto follows the checkpoint {_default('dtype')}")
     g.add_argument("--max-num-seqs", type=int, metavar="N",

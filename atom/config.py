@@ -38,6 +38,9 @@ def resolve_dtype(name: str, hf_config: dict[str, Any]) -> torch.dtype:
     return _DTYPES[name]
 
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # safetensors: the same as auto
+
+
 def load_hf_config(model: str) -> dict[str, Any]:
     """Read ``config.json`` from a checkpoint folder, with errors that name the fix."""
     if not os.path.isdir(model):
@@ -97,6 +100,7 @@ class EngineConfig:
     kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps (CPU always runs eagerly)
     num_scheduler_steps: int = 1  # multi-step decoding: up to this many decode steps per scheduling round
+    load_format: str = "auto"  # auto: the folder's *.safetensors; dummy: random weights (config.json only)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +129,9 @@ class EngineConfig:
                 f">= max_model_len ({self.max_model_len})"
             )
         resolve_dtype(self.dtype, self.hf_config)  # validates the name
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; use auto (the folder's *.safetensors) "
+                             "or dummy (random weights of the config's shape, for benchmarks)")
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if isinstance(self.kv_transfer_config, dict):

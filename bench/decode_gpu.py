@@ -6,6 +6,7 @@
     python bench/decode_gpu.py --async-too           # also ATOM with async scheduling (overlap)
     python bench/decode_gpu.py --multi-step 8        # also ATOM with --num-scheduler-steps 8
     python bench/decode_gpu.py --temperature 0.8 --top-p 0.95 --async-too   # sampled, not greedy
+    python bench/decode_gpu.py --shape 48b --async-too   # Kimi-Linear-48B-A3B's shape, random weights
 
 The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
@@ -16,6 +17,11 @@ is the bytes one decode step must read and write (weights, with the experts a
 batch is expected to touch, plus each sequence's KV rows and KDA state) over
 the copy bandwidth measured here; its fraction is measured / roofline tok/s.
 
+``--shape 48b`` runs Kimi-Linear-48B-A3B's published shape (~49B parameters,
+98 GB in bf16) from a config.json alone, ATOM drawing random weights on the
+GPU (load_format="dummy"); transformers does not run beside it (two copies
+would not fit one H200).
+
 The "atom" column runs one step at a time (--no-async-scheduling); the
 engine's default on a GPU is the "async" column (--async-too).
 """
@@ -23,6 +29,7 @@ engine's default on a GPU is the "async" column (--async-too).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -32,22 +39,40 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NUM_LAYERS, MLA_LAYERS, EXPERTS, TOP_K = 8, (3, 7), 16, 4
+# The model shapes: the issue's ~1.3B bench model, and Kimi-Linear-48B-A3B's published shape (27 layers, MLA at
+# 1-based layers 4, 8, ..., 24 and 27, 256 experts top-8, vocab 163840; transformers' KimiLinearConfig defaults
+# but for the layer types).
+SHAPES = {
+    "1.3b": dict(vocab_size=32000, num_hidden_layers=8, mla_layers=(3, 7), num_local_experts=16, num_experts_per_tok=4,
+                 max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "48b": dict(vocab_size=163840, num_hidden_layers=27, mla_layers=(3, 7, 11, 15, 19, 23, 26), num_local_experts=256,
+                num_experts_per_tok=8, routed_scaling_factor=2.446),
+}
 
 
-def make_model(path: str, seed: int = 0):
-    """The random checkpoint on the GPU in bf16, saved to ``path`` (reused when present)."""
-    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+def model_config(shape: str):
+    """transformers' KimiLinearConfig of a shape (hidden 2304, 32 heads of 128, MLA latent 512 + 64)."""
+    from transformers import KimiLinearConfig
 
-    config = KimiLinearConfig(
-        vocab_size=32000, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
-        num_hidden_layers=NUM_LAYERS,
-        layer_types=["full_attention" if i in MLA_LAYERS else "linear_attention" for i in range(NUM_LAYERS)],
+    spec = dict(SHAPES[shape])
+    mla = spec.pop("mla_layers")
+    layers = spec["num_hidden_layers"]
+    return KimiLinearConfig(
+        hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+        layer_types=["full_attention" if i in mla else "linear_attention" for i in range(layers)],
         num_attention_heads=32, linear_num_heads=32, linear_head_dim=128,
         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=1, topk_group=1, first_k_dense_replace=1,
-        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        n_group=1, topk_group=1, first_k_dense_replace=1, tie_word_embeddings=False, dtype="bfloat16",
+        architectures=["KimiLinearForCausalLM"], **spec,
     )  # fmt: skip
+
+
+def make_model(path: str, config=None, seed: int = 0):
+    """The random checkpoint (default: the 1.3b shape) on the GPU in bf16, saved to ``path`` (reused when
+    present)."""
+    from transformers import KimiLinearForCausalLM
+
+    config = config or model_config("1.3b")
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = KimiLinearForCausalLM(config).to(torch.bfloat16).eval()
@@ -60,21 +85,26 @@ def make_model(path: str, seed: int = 0):
     return model
 
 
-def step_bytes(model, batch: int, context: int) -> int:
+def step_bytes(config, batch: int, context: int) -> int:
     """Bytes one decode step must move: weights (touched experts only, no embedding table) + caches."""
-    cfg = model.config
-    touched = EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** batch)
+    from transformers import KimiLinearForCausalLM
+
+    with torch.device("meta"):  # the parameters' shapes, no memory
+        model = KimiLinearForCausalLM(config)
+    experts, top_k = config.num_experts, config.num_experts_per_token
+    touched = experts * (1 - (1 - top_k / experts) ** batch)
     weights = 0
     for name, p in model.named_parameters():
         if "embed_tokens" in name:
             continue
-        frac = touched / EXPERTS if ("experts" in name and "shared" not in name) else 1.0
-        weights += int(p.numel() * p.element_size() * frac)
-    kda_layers = NUM_LAYERS - len(MLA_LAYERS)
-    state = cfg.linear_num_heads * cfg.linear_head_dim**2 * 4 * 2  # fp32, read + write
-    conv = 3 * cfg.linear_num_heads * cfg.linear_head_dim * 3 * 2 * 2
-    kv = context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
-    return weights + batch * (kda_layers * (state + conv) + len(MLA_LAYERS) * kv)
+        frac = touched / experts if ("experts" in name and "shared" not in name) else 1.0
+        weights += int(p.numel() * 2 * frac)  # bf16
+    mla_layers = config.layer_types.count("full_attention")
+    kda_layers = config.num_hidden_layers - mla_layers
+    state = config.linear_num_heads * config.linear_head_dim**2 * 4 * 2  # fp32, read + write
+    conv = 3 * config.linear_num_heads * config.linear_head_dim * 3 * 2 * 2
+    kv = context * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+    return weights + batch * (kda_layers * (state + conv) + mla_layers * kv)
 
 
 def copy_gbps() -> float:
@@ -101,7 +131,7 @@ def timed(fn) -> float:
 
 def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False,
                     async_scheduling: bool = False, num_scheduler_steps: int = 1, temperature: float = 0.0,
-                    top_p: float = 1.0) -> float:
+                    top_p: float = 1.0, load_format: str = "auto") -> float:
     from atom import LLM, SamplingParams
 
     batch = len(prompts)
@@ -109,7 +139,7 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
     llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=max_len,
               max_num_batched_tokens=max(2048, batch * len(prompts[0])), enable_prefix_caching=False,
               enforce_eager=enforce_eager, async_scheduling=async_scheduling,
-              num_scheduler_steps=num_scheduler_steps)  # fmt: skip
+              num_scheduler_steps=num_scheduler_steps, load_format=load_format)  # fmt: skip
 
     def run(n):
         params = SamplingParams(temperature=temperature, top_p=top_p, ignore_eos=True, max_tokens=n)
@@ -120,6 +150,7 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
     t1 = sorted(timed(lambda: run(1)) for _ in range(3))[1]
     tn = sorted(timed(lambda: run(1 + new_tokens)) for _ in range(3))[1]
     del llm
+    gc.collect()  # the next engine's weights need this one's memory back (98 GB at --shape 48b)
     torch.cuda.empty_cache()
     return batch * new_tokens / (tn - t1)
 
@@ -145,7 +176,10 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1.3b",
+                   help="1.3b: the bench model, a checkpoint written to --ckpt; 48b: Kimi-Linear-48B-A3B's shape, "
+                        "config.json only, random weights on the GPU (load_format='dummy'), no transformers run")
+    p.add_argument("--ckpt", help="model folder (default: /tmp/atom_kimi_1p3b, /tmp/atom_kimi_48b)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-atom", action="store_true")
     p.add_argument("--eager-too", action="store_true", help="also run ATOM with enforce_eager (no CUDA graphs)")
@@ -160,9 +194,19 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("atom.worker.cuda_graph").setLevel(logging.INFO)  # says whether graphs were captured
 
+    args.ckpt = args.ckpt or {"1.3b": "/tmp/atom_kimi_1p3b", "48b": "/tmp/atom_kimi_48b"}[args.shape]
+    config = model_config(args.shape)
     ceiling = copy_gbps()
-    model = make_model(args.ckpt)
-    n_params = sum(x.numel() for x in model.parameters())
+    if args.shape == "1.3b":
+        model = make_model(args.ckpt, config)
+        args.load_format = "auto"
+    else:  # two copies of ~98 GB do not fit one GPU: no transformers model, ATOM draws its own weights
+        config.save_pretrained(args.ckpt)
+        model, args.skip_hf, args.load_format = None, True, "dummy"
+    with torch.device("meta"):
+        from transformers import KimiLinearForCausalLM
+
+        n_params = sum(x.numel() for x in KimiLinearForCausalLM(config).parameters())
     from atom.ops._C_loader import use_kernels
 
     import importlib.util
@@ -177,7 +221,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        prompts = torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()
+        prompts = torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()  # any vocabulary
         # ATOM first, printed at once: a stall in transformers (e.g. Triton autotuning) loses nothing
         atom = _try_atom(args, prompts, batch, enforce_eager=False) if not args.skip_atom else None
         eager = _try_atom(args, prompts, batch, enforce_eager=True) if args.eager_too else None
@@ -187,7 +231,7 @@ def main() -> None:
         if args.multi_step > 1 and args.async_too:  # rounds planned while the round before runs
             multi_overlap = _try_atom(args, prompts, batch, num_scheduler_steps=args.multi_step, async_scheduling=True)
         context = args.input_len + args.output_len // 2
-        roof = batch / (step_bytes(model, batch, context) / (ceiling * 1e9))
+        roof = batch / (step_bytes(config, batch, context) / (ceiling * 1e9))
         print(f"batch {batch}: atom {atom}, atom multi-step {multi}, multi-step + async {multi_overlap}, "
               f"roofline {roof:.0f} tok/s; transformers next", flush=True)  # fmt: skip
         hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len, args.temperature, args.top_p)
@@ -210,7 +254,7 @@ def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = 
               async_scheduling: bool = False, num_scheduler_steps: int = 1) -> float | None:
     try:
         return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling,
-                               num_scheduler_steps, args.temperature, args.top_p)  # fmt: skip
+                               num_scheduler_steps, args.temperature, args.top_p, args.load_format)  # fmt: skip
     except Exception as e:  # report and keep the other numbers
         print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}, num_scheduler_steps="
               f"{num_scheduler_steps}) failed at batch {batch}: {type(e).__name__}: {e}")

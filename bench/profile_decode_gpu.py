@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU, per batch size.
 
     python bench/profile_decode_gpu.py --ckpt /tmp/atom_kimi_1p3b     # the checkpoint bench/decode_gpu.py writes
+    python bench/profile_decode_gpu.py --shape 48b --batches 1,64     # Kimi-Linear-48B-A3B's shape, random weights
 
 For each batch: the engine's decode step time (as bench/decode_gpu.py
 measures it, with and without async scheduling), the GPU time of one
@@ -12,6 +13,7 @@ top kernels inside one replayed graph by GPU time.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -56,13 +58,19 @@ def _step_ms(llm, prompts: list[list[int]], new_tokens: int) -> float:
     return diffs[1]
 
 
-def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
+def profile_batch(path: str, batch: int, new_tokens: int, top: int, load_format: str = "auto") -> None:
     from atom import LLM
 
     prompts = torch.randint(3, 32000, (batch, 64), generator=torch.Generator().manual_seed(0)).tolist()
     kwargs = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=64 + new_tokens + 8,
-                  max_num_batched_tokens=max(2048, batch * 64), enable_prefix_caching=False)  # fmt: skip
-    llm = LLM(path, async_scheduling=False, **kwargs)
+                  max_num_batched_tokens=max(2048, batch * 64), enable_prefix_caching=False,
+                  load_format=load_format)  # fmt: skip
+    def fresh_llm(async_scheduling: bool):
+        gc.collect()  # the engine before must give its memory back first (98 GB at --shape 48b)
+        torch.cuda.empty_cache()
+        return LLM(path, async_scheduling=async_scheduling, **kwargs)
+
+    llm = fresh_llm(False)
     step = _step_ms(llm, prompts, new_tokens)
     runner = llm.engine.runner
     graphs = runner.decode_graphs
@@ -72,9 +80,8 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
     hidden = graphs._launch(size)[:batch]
     with torch.inference_mode():
         sample = _ms_per_call(lambda: runner.model.compute_logits(hidden).argmax(dim=-1).tolist())
-    del llm
-    torch.cuda.empty_cache()
-    overlapped = _step_ms(LLM(path, async_scheduling=True, **kwargs), prompts, new_tokens)
+    del llm, runner, graphs, hidden
+    overlapped = _step_ms(fresh_llm(True), prompts, new_tokens)
     host = step - replay - sample
     print(f"== batch {batch} (graph size {size}): step {step:.3f} ms ({batch / step * 1e3:.0f} tok/s), "
           f"async scheduling {overlapped:.3f} ms ({batch / overlapped * 1e3:.0f} tok/s); "
@@ -82,7 +89,7 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
           flush=True)  # fmt: skip
     print(f"   one replay: host enqueue {enqueue:.3f} ms, device time between events {device_ms:.3f} ms")
 
-    llm = LLM(path, async_scheduling=False, **kwargs)
+    llm = fresh_llm(False)
     _step_ms(llm, prompts, new_tokens)  # the static buffers now hold a real step's rows (padding rows skip KDA/MLA)
     graphs = llm.engine.runner.decode_graphs
     graphs._launch(size)
@@ -100,8 +107,6 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int) -> None:
               f"x{e.count // 10:<4d} {e.key[:90]}")  # fmt: skip
     _print_gaps(prof, top)
     module_times(llm, batch)
-    del llm
-    torch.cuda.empty_cache()
 
 
 def _replay_split(graphs, size: int, n: int = 50) -> tuple[float, float]:
@@ -197,18 +202,24 @@ def module_times(llm, batch: int, depth: int = 3) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--shape", choices=["1.3b", "48b"], default="1.3b",
+                   help="bench/decode_gpu.py's model shapes; 48b: Kimi-Linear-48B-A3B's, random weights")
+    p.add_argument("--ckpt", help="model folder (default: /tmp/atom_kimi_1p3b, /tmp/atom_kimi_48b)")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--top", type=int, default=14)
     args = p.parse_args()
-    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
-        from bench.decode_gpu import make_model
+    from bench.decode_gpu import make_model, model_config
 
+    args.ckpt = args.ckpt or {"1.3b": "/tmp/atom_kimi_1p3b", "48b": "/tmp/atom_kimi_48b"}[args.shape]
+    load_format = "dummy" if args.shape == "48b" else "auto"
+    if args.shape == "48b":
+        model_config("48b").save_pretrained(args.ckpt)
+    elif not os.path.exists(os.path.join(args.ckpt, "config.json")):
         make_model(args.ckpt)
         torch.cuda.empty_cache()
     for batch in (int(b) for b in args.batches.split(",")):
-        profile_batch(args.ckpt, batch, args.output_len, args.top)
+        profile_batch(args.ckpt, batch, args.output_len, args.top, load_format)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary 
       $PYTEST $KERNEL_TESTS -k "not fla and not which_linears"  # that test reads the profiler, blind here
   done
   stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
-    $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py
+    $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py -k "not real_shape"  # 25 GB: too slow here
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 # 128 new tokens: eight 16-step rounds, so the rounds' edges (first and last) weigh little in the figure

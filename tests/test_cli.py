@@ -21,6 +21,7 @@ ENGINE_FLAGS = [
     "--block-size", "--enable-prefix-caching", "--no-enable-prefix-caching", "--enable-chunked-prefill",
     "--no-enable-chunked-prefill", "--num-gpu-blocks-override", "--kv-cache-memory", "--seed", "--device",
     "--speculative-config", "--async-scheduling", "--no-async-scheduling", "--enforce-eager", "--num-scheduler-steps",
+    "--load-format",
 ]
 SERVE_FLAGS = ["--host", "--port", "--api-key", "--served-model-name", "--no-uvloop"]
 GENERATE_FLAGS = ["--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--ignore-eos"]

@@ -11,6 +11,7 @@ gated MLP ("dense") or routed + shared experts ("sparse").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -295,6 +296,22 @@ class KimiLinearForCausalLM(nn.Module):
 
     def hf_name_map(self, name: str) -> str | None:
         return name.replace(".block_sparse_moe.", ".mlp.")
+
+    def dummy_init(self, name: str, param: torch.Tensor, generator: torch.Generator) -> bool:
+        """Random KDA parameters for load_format="dummy" (the loader fills the rest): the decay's A_log and
+        dt_bias as transformers initialises them (exp(A_log) in [1, 16]; softplus(dt_bias) in [1e-3, 0.1]),
+        the short convolutions as torch's Conv1d does (uniform within 1/sqrt(kernel size))."""
+        if name.endswith(".A_log"):
+            param.uniform_(1.0, 16.0, generator=generator).log_()
+        elif name.endswith(".dt_bias"):
+            dt = param.uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp_()
+            param.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
+        elif name.endswith("_conv1d.weight"):
+            bound = param.shape[-1] ** -0.5
+            param.uniform_(-bound, bound, generator=generator)
+        else:
+            return False
+        return True
 
     def post_load(self) -> None:
         for layer in self.model.layers:

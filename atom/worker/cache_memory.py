@@ -1,8 +1,11 @@
 """Size the KV block pool and the state-slot pool from a memory budget.
 
 The state pool is reserved first (one group of 1 + k slots per request the
-scheduler may run at once); the rest of the budget becomes KV blocks. Start-up
-fails, naming the flag to change, if one max-length request cannot fit.
+scheduler may run at once); the rest of the budget becomes KV blocks. When the
+budget cannot hold every group with a max-length request's blocks, there are
+fewer groups, each with those blocks (Kimi-Linear-48B's state is ~41 MiB a
+request: 64 groups alone outgrow a 1 GiB budget). Start-up fails, naming the
+flag to change, if one max-length request cannot fit.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from atom.layers.cache_spec import CacheSpec, RecurrentStateSpec
 
 logger = logging.getLogger(__name__)
 
-MAX_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # cap when neither a budget nor a block count is given
+MAX_DEFAULT_KV_CACHE_MEMORY = 1 << 30  # cap off the GPU when neither a budget nor a block count is given
+DEFAULT_GPU_CACHE_SHARE = 0.9  # on a GPU, of the memory free after loading the model
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,22 @@ def plan_cache(config: EngineConfig, specs: dict[int, CacheSpec]) -> CacheLayout
     if config.num_gpu_blocks is not None:
         blocks = config.num_gpu_blocks
     else:
-        budget = config.kv_cache_memory or _default_budget(config, per_block, groups * per_group)
+        # one request at max_model_len: its blocks and, with recurrent layers, its state group
+        per_request = config.max_blocks_per_seq * per_block + per_group
+        want = config.max_num_seqs * config.max_blocks_per_seq * per_block + groups * per_group
+        budget = config.kv_cache_memory or _default_budget(config, want, per_request)
+        if recurrent and groups * per_request > budget:
+            # Fewer groups, each with a full request's blocks: state groups without blocks to run in (or
+            # blocks without a state) would only sit idle.
+            groups = max(budget // per_request, 1) if per_request else groups
+            logger.warning(
+                "the cache budget (%.0f MiB) holds %d requests of max_model_len=%d at once, not max_num_seqs=%d;"
+                " raise --kv-cache-memory to %d bytes, or lower --max-num-seqs or --max-model-len",
+                budget / 2**20, groups, config.max_model_len, config.max_num_seqs,
+                (config.num_state_slots or config.max_num_seqs) * per_request,
+            )
         left = budget - groups * per_group
-        if recurrent and left < 0:
-            groups = budget // per_group if per_group else groups
-            left = budget - groups * per_group
-        blocks = left // per_block if per_block else 1
+        blocks = max(left, 0) // per_block if per_block else 1
     layout = CacheLayout(int(blocks), int(groups), per_block, per_group)
     _check_fits(config, layout, bool(paged), bool(recurrent))
     logger.info(
@@ -55,11 +69,14 @@ def plan_cache(config: EngineConfig, specs: dict[int, CacheSpec]) -> CacheLayout
     return layout
 
 
-def _default_budget(config: EngineConfig, per_block: int, state_bytes: int) -> int:
-    """Room for max_num_seqs requests of max_model_len each, capped at 1 GiB; no more is useful."""
-    want = config.max_num_seqs * config.max_blocks_per_seq * per_block + state_bytes
-    floor = config.max_blocks_per_seq * per_block + state_bytes
-    return max(min(want, MAX_DEFAULT_KV_CACHE_MEMORY), floor)
+def _default_budget(config: EngineConfig, want: int, per_request: int) -> int:
+    """``want`` (room for max_num_seqs requests of max_model_len each: no more is useful) within a cap: on a
+    GPU 90% of the memory free once the model is loaded (the rest for activations and graphs), elsewhere
+    1 GiB. Never less than one request's room."""
+    cap = MAX_DEFAULT_KV_CACHE_MEMORY
+    if config.device.startswith("cuda"):
+        cap = int(DEFAULT_GPU_CACHE_SHARE * (available_memory(config.device) or 0))
+    return max(min(want, cap), per_request)
 
 
 def _check_fits(config: EngineConfig, layout: CacheLayout, paged: bool, recurrent: bool) -> None:
