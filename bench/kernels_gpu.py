@@ -684,7 +684,8 @@ def main() -> None:
     cases += [(f"gated_rmsnorm rows={r}", lambda r=r: bench_norm(C, r)) for r in (64 * 32, 1 << 20)]
     cases += [(f"rms_norm rows={r} residual={a}", lambda r=r, a=a: bench_rms_norm(C, r, residual=a))
               for r in (64, 16384) for a in (False, True)]  # fmt: skip
-    cases += [(f"router_logits T={t}", lambda t=t: bench_router(C, t)) for t in (1, 64, 256)]
+    cases += [(f"router_logits T={t} E={e}", lambda t=t, e=e: bench_router(C, t, e))
+              for e in (16, 256) for t in (1, 8, 64, 256)]  # the bench model's router; Kimi-Linear's
     for experts, top_k in ((256, 8), (16, 4)):  # Kimi-Linear's routing; bench/decode_gpu.py's model
         cases += [(f"moe_gemv T={t} E={experts}", lambda t=t, e=experts, k=top_k: bench_moe(t, e, k))
                   for t in (1, 2, 4, 8, 16, 32)]  # fmt: skip

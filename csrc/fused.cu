@@ -181,75 +181,103 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
 
 // ---- router_logits ----------------------------------------------------------------------------------------------
 
-// One block of 32 groups (1024 threads) per token, no shared staging: each
-// expert's dot product is split over `split` groups (E = 16: two groups of 32
-// lanes per expert, each over half the dim), each lane issuing kRouterBatch
-// 16-byte weight loads (4 with fp32 x: registers), with the matching x
-// elements, before its first FMA.
-// Both the weight and the token's row come from L2 after the first block.
-// vec: dim % 4 == 0, w 16-byte aligned and x's rows aligned to 4 elements;
-// else element by element.
-constexpr int kRouterThreads = 1024;
+// A block of 8 groups computes 4 experts for up to 8 tokens: thread i of the block
+// takes the 16-byte weight vectors i, i + 256, ... of each of the 4 rows (two passes'
+// loads issued before the first FMA), each used for every token. So the router's
+// weight (fp32, 256 x 2304 in Kimi-Linear: 2.4 MB) is read once per 8 tokens, spread
+// over E/4 blocks. Each group's 32 sums (4 experts x 8 tokens) are reduced across its
+// lanes in 31 shuffles (lane l ends with sum l), then the 8 groups' in group order. A
+// token's sums depend on the shapes only, not on the other tokens of the launch.
+// vec: dim % 4 == 0, w 16-byte aligned and x's rows aligned to 4 elements; else
+// element by element.
+constexpr int kRouterGroups = 8, kRouterRows = 4, kRouterTokens = 8, kRouterLoads = 2;
+static_assert(kRouterRows * kRouterTokens == kGroup, "one sum per lane after the reduction");
+
+// One step of router_logits' reduce-scatter: sums [0, 2 off) -> [0, off), exchanged with the lane off away.
+template <int off>
+__device__ __forceinline__ void router_reduce_step(float* acc, int lane) {
+  const bool upper = (lane & off) != 0;
+#pragma unroll
+  for (int k = 0; k < off; ++k) {
+    const float send = upper ? acc[k] : acc[k + off];
+    const float keep = upper ? acc[k + off] : acc[k];
+    acc[k] = keep + __shfl_xor_sync(0xffffffffu, send, off, kGroup);
+  }
+}
 
 template <typename T>
-__global__ void __launch_bounds__(kRouterThreads)
+__global__ void __launch_bounds__(kRouterGroups * kGroup)
     router_logits_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
-                         float* __restrict__ logits, int experts, int dim, int split, bool vec) {
+                         float* __restrict__ logits, int64_t tokens, int experts, int dim, bool vec) {
   pdl_enter();
-  constexpr int kRouterBatch = sizeof(T) == 4 ? 4 : 5;
-  __shared__ float partial[kRouterThreads / kGroup];
-  const int64_t t = blockIdx.x;
-  const T* xr = x + t * x_stride;
-  const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
-  const int per_round = blockDim.x / kGroup / split;  // experts summed at once
-  const int part = group % split, lanes = split * kGroup, l = part * kGroup + lane;
-  for (int e0 = 0; e0 < experts; e0 += per_round) {  // the same trip count in every group (syncs inside)
-    const int e = e0 + group / split;
-    float acc = 0.f;
-    if (e < experts && group / split < per_round) {
-      const float* we = w + static_cast<int64_t>(e) * dim;
-      if (vec) {
-        using X4 = Pack<T, 4>;
-        const int n4 = dim / 4;
-        for (int base = l; base < n4; base += lanes * kRouterBatch) {
-          float4 wv[kRouterBatch];
-          X4 xv[kRouterBatch];
+  __shared__ float partial[kRouterGroups][kGroup];
+  const int e0 = blockIdx.x * kRouterRows;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRouterTokens;
+  const int rows = min(kRouterRows, experts - e0);
+  const int nt = tokens - t0 < kRouterTokens ? static_cast<int>(tokens - t0) : kRouterTokens;
+  const T* xr = x + t0 * x_stride;
+  const float* wr = w + static_cast<int64_t>(e0) * dim;
+  constexpr int kStep = kRouterGroups * kGroup;
+  float acc[kRouterRows * kRouterTokens] = {};  // [row][token]
+  if (vec) {
+    using X4 = Pack<T, 4>;
+    const int n4 = dim / 4;
+    for (int base = threadIdx.x; base < n4; base += kStep * kRouterLoads) {
+      float4 wv[kRouterLoads][kRouterRows];
+      X4 xv[kRouterLoads][kRouterTokens];
 #pragma unroll
-          for (int c = 0; c < kRouterBatch; ++c) {
-            const int i = base + c * lanes;
-            if (i < n4) {
-              wv[c] = reinterpret_cast<const float4*>(we)[i];
-              xv[c] = reinterpret_cast<const X4*>(xr)[i];
-            }
-          }
+      for (int c = 0; c < kRouterLoads; ++c) {
+        const int i = base + c * kStep;
 #pragma unroll
-          for (int c = 0; c < kRouterBatch; ++c) {
-            if (base + c * lanes < n4) {
-              acc = fmaf(to_float(xv[c].v[0]), wv[c].x, acc);
-              acc = fmaf(to_float(xv[c].v[1]), wv[c].y, acc);
-              acc = fmaf(to_float(xv[c].v[2]), wv[c].z, acc);
-              acc = fmaf(to_float(xv[c].v[3]), wv[c].w, acc);
-            }
+        for (int r = 0; r < kRouterRows; ++r)
+          if (i < n4 && r < rows) wv[c][r] = reinterpret_cast<const float4*>(wr + static_cast<int64_t>(r) * dim)[i];
+#pragma unroll
+        for (int t = 0; t < kRouterTokens; ++t)
+          if (i < n4 && t < nt) xv[c][t] = reinterpret_cast<const X4*>(xr + t * x_stride)[i];
+      }
+#pragma unroll
+      for (int c = 0; c < kRouterLoads; ++c) {
+        if (base + c * kStep >= n4) continue;
+#pragma unroll
+        for (int r = 0; r < kRouterRows; ++r) {
+#pragma unroll
+          for (int t = 0; t < kRouterTokens; ++t) {
+            if (r >= rows || t >= nt) continue;
+            float& a = acc[r * kRouterTokens + t];
+            a = fmaf(to_float(xv[c][t].v[0]), wv[c][r].x, a);
+            a = fmaf(to_float(xv[c][t].v[1]), wv[c][r].y, a);
+            a = fmaf(to_float(xv[c][t].v[2]), wv[c][r].z, a);
+            a = fmaf(to_float(xv[c][t].v[3]), wv[c][r].w, a);
           }
         }
-      } else {
-        for (int d = l; d < dim; d += lanes) acc = fmaf(to_float(xr[d]), we[d], acc);
       }
     }
-    acc = group_sum(acc);
-    if (split == 1) {
-      if (lane == 0 && e < experts) logits[t * experts + e] = acc;
-      continue;
+  } else {
+    for (int d = threadIdx.x; d < dim; d += kStep) {
+#pragma unroll
+      for (int r = 0; r < kRouterRows; ++r) {
+        const float wd = r < rows ? wr[static_cast<int64_t>(r) * dim + d] : 0.f;
+#pragma unroll
+        for (int t = 0; t < kRouterTokens; ++t)
+          if (t < nt) acc[r * kRouterTokens + t] = fmaf(to_float(xr[t * x_stride + d]), wd, acc[r * kRouterTokens + t]);
+      }
     }
-    if (lane == 0) partial[group] = acc;
-    __syncthreads();
-    if (part == 0 && lane == 0 && e < experts && group / split < per_round) {
-      float total = 0.f;
-      for (int s = 0; s < split; ++s) total += partial[group + s];
-      logits[t * experts + e] = total;
-    }
-    __syncthreads();  // partial[] is rewritten next round
   }
+  // Reduce-scatter over the lanes: each step halves the sums a lane holds, keeping the half its lane bit picks.
+  const int lane = threadIdx.x % kGroup;
+  router_reduce_step<16>(acc, lane);
+  router_reduce_step<8>(acc, lane);
+  router_reduce_step<4>(acc, lane);
+  router_reduce_step<2>(acc, lane);
+  router_reduce_step<1>(acc, lane);
+  partial[threadIdx.x / kGroup][lane] = acc[0];  // the group's sum for (row, token) = (lane / 8, lane % 8)
+  __syncthreads();
+  if (threadIdx.x >= kGroup) return;
+  float total = 0.f;
+#pragma unroll
+  for (int g = 0; g < kRouterGroups; ++g) total += partial[g][lane];
+  const int r = lane / kRouterTokens, t = lane % kRouterTokens;
+  if (r < rows && t < nt) logits[(t0 + t) * experts + e0 + r] = total;
 }
 
 // ---- moe_route --------------------------------------------------------------------------------------------------
@@ -614,14 +642,14 @@ const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintp
                           int64_t experts, int64_t dim, int dtype, uintptr_t stream) {
   if (tokens < 0 || experts < 1 || dim < 1) return "router_logits: needs tokens >= 0, experts >= 1, dim >= 1";
   if (tokens == 0) return nullptr;
-  const int64_t groups = kRouterThreads / kGroup;
-  const int split = static_cast<int>(experts >= groups ? 1 : groups / experts);  // groups summing one expert
+  if (ceil_div(tokens, kRouterTokens) > 65535) return "router_logits: at most 524280 tokens";
+  const dim3 grid(static_cast<unsigned>(ceil_div(experts, kRouterRows)),
+                  static_cast<unsigned>(ceil_div(tokens, kRouterTokens)));
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "router_logits", [&]() {
     const bool vec = dim % 4 == 0 && weight % 16 == 0 && x % (4 * sizeof(scalar_t)) == 0 && x_stride % 4 == 0;
-    launch_kernel(
-        router_logits_kernel<scalar_t>, static_cast<unsigned>(tokens), kRouterThreads, 0, as_stream(stream),
-        reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
-        reinterpret_cast<float*>(logits), static_cast<int>(experts), static_cast<int>(dim), split, vec);
+    launch_kernel(router_logits_kernel<scalar_t>, grid, kRouterGroups * kGroup, 0, as_stream(stream),
+                  reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
+                  reinterpret_cast<float*>(logits), tokens, static_cast<int>(experts), static_cast<int>(dim), vec);
     return last_launch_error();
   });
 }

@@ -71,11 +71,13 @@ def test_rms_norm_strided_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "tokens,experts,dim", [(1, 16, 2304), (64, 16, 2304), (7, 5, 33), (3, 40, 1000), (5, 256, 7168), (2, 1, 20000)]
+    "tokens,experts,dim", [(1, 16, 2304), (64, 16, 2304), (7, 5, 33), (3, 40, 1000), (5, 256, 7168), (2, 1, 20000),
+                           (1, 256, 2304), (9, 256, 2304), (256, 256, 2304), (17, 7, 520)]
 )
 def test_router_logits(dtype, tokens, experts, dim):
-    """x in the model dtype times the fp32 router weight, summed in fp32: one expert split over up to 32
-    lane groups (E = 1, 5, 16) or several experts a group (E = 40, 256); dim 33: the element path."""
+    """x in the model dtype times the fp32 router weight, summed in fp32, 4 experts x 8 tokens a block: experts
+    not a multiple of 4 (1, 5, 7), tokens not a multiple of 8, Kimi-Linear's 256 x 2304 from 1 to 256 tokens;
+    dim 33: the element path; dim 520: a last pass with some threads idle."""
     x, w = torch.randn(tokens, dim).to(dtype), torch.randn(experts, dim) * dim**-0.5
     _poison_allocator()
     out = fused.router_logits(x.cuda(), w.cuda())
@@ -222,6 +224,14 @@ def test_advance_decode(n, width, block_size):
     fused.advance_decode(got_rows, got_tables, next_ids.cuda(), block_size)
     fused.advance_decode_ref(rows, tables, next_ids, block_size)
     assert torch.equal(got_rows.cpu(), rows) and torch.equal(got_tables.cpu(), tables)
+
+
+def test_router_logits_token_alone_or_in_a_batch_same_bits():
+    """A token's logits do not depend on the tokens launched with it (its sums' order depends on the shapes)."""
+    x, w = torch.randn(11, 2304).to(torch.bfloat16).cuda(), (torch.randn(256, 2304) * 2304**-0.5).cuda()
+    batch = fused.router_logits(x, w)
+    for t in (0, 5, 8, 10):
+        assert torch.equal(fused.router_logits(x[t : t + 1], w), batch[t : t + 1])
 
 
 def test_router_logits_unaligned_rows():
