@@ -181,19 +181,91 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
 
 // ---- router_logits ----------------------------------------------------------------------------------------------
 
-// A block of 8 groups computes 4 experts for up to 8 tokens: thread i of the block
-// takes the 16-byte weight vectors i, i + 256, ... of each of the 4 rows (two passes'
-// loads issued before the first FMA), each used for every token. So the router's
-// weight (fp32, 256 x 2304 in Kimi-Linear: 2.4 MB) is read once per 8 tokens, spread
-// over E/4 blocks. Each group's 32 sums (4 experts x 8 tokens) are reduced across its
-// lanes in 31 shuffles (lane l ends with sum l), then the 8 groups' in group order. A
-// token's sums depend on the shapes only, not on the other tokens of the launch.
-// vec: dim % 4 == 0, w 16-byte aligned and x's rows aligned to 4 elements; else
-// element by element.
+// router_logits_per_token: one block of 32 groups (1024 threads) per token, no shared
+// staging: each expert's dot product is split over `split` groups (E = 16: two groups of 32
+// lanes per expert, each over half the dim), each lane issuing kRouterBatch
+// 16-byte weight loads (4 with fp32 x: registers), with the matching x
+// elements, before its first FMA.
+// Both the weight and the token's row come from L2 after the first block.
+// vec: dim % 4 == 0, w 16-byte aligned and x's rows aligned to 4 elements;
+// else element by element.
+constexpr int kRouterThreads = 1024;
+
+template <typename T>
+__global__ void __launch_bounds__(kRouterThreads)
+    router_logits_per_token_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
+                                   float* __restrict__ logits, int experts, int dim, int split, bool vec) {
+  pdl_enter();
+  constexpr int kRouterBatch = sizeof(T) == 4 ? 4 : 5;
+  __shared__ float partial[kRouterThreads / kGroup];
+  const int64_t t = blockIdx.x;
+  const T* xr = x + t * x_stride;
+  const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+  const int per_round = blockDim.x / kGroup / split;  // experts summed at once
+  const int part = group % split, lanes = split * kGroup, l = part * kGroup + lane;
+  for (int e0 = 0; e0 < experts; e0 += per_round) {  // the same trip count in every group (syncs inside)
+    const int e = e0 + group / split;
+    float acc = 0.f;
+    if (e < experts && group / split < per_round) {
+      const float* we = w + static_cast<int64_t>(e) * dim;
+      if (vec) {
+        using X4 = Pack<T, 4>;
+        const int n4 = dim / 4;
+        for (int base = l; base < n4; base += lanes * kRouterBatch) {
+          float4 wv[kRouterBatch];
+          X4 xv[kRouterBatch];
+#pragma unroll
+          for (int c = 0; c < kRouterBatch; ++c) {
+            const int i = base + c * lanes;
+            if (i < n4) {
+              wv[c] = reinterpret_cast<const float4*>(we)[i];
+              xv[c] = reinterpret_cast<const X4*>(xr)[i];
+            }
+          }
+#pragma unroll
+          for (int c = 0; c < kRouterBatch; ++c) {
+            if (base + c * lanes < n4) {
+              acc = fmaf(to_float(xv[c].v[0]), wv[c].x, acc);
+              acc = fmaf(to_float(xv[c].v[1]), wv[c].y, acc);
+              acc = fmaf(to_float(xv[c].v[2]), wv[c].z, acc);
+              acc = fmaf(to_float(xv[c].v[3]), wv[c].w, acc);
+            }
+          }
+        }
+      } else {
+        for (int d = l; d < dim; d += lanes) acc = fmaf(to_float(xr[d]), we[d], acc);
+      }
+    }
+    acc = group_sum(acc);
+    if (split == 1) {
+      if (lane == 0 && e < experts) logits[t * experts + e] = acc;
+      continue;
+    }
+    if (lane == 0) partial[group] = acc;
+    __syncthreads();
+    if (part == 0 && lane == 0 && e < experts && group / split < per_round) {
+      float total = 0.f;
+      for (int s = 0; s < split; ++s) total += partial[group + s];
+      logits[t * experts + e] = total;
+    }
+    __syncthreads();  // partial[] is rewritten next round
+  }
+}
+
+// router_logits_spread: a block of 8 groups computes 4 experts for up to 8 tokens.
+// Thread i of the block takes the 16-byte weight vectors i, i + 256, ... of each of
+// the 4 rows (two passes' loads issued before the first FMA), each used for every
+// token. So the router's weight (fp32, 256 x 2304 in Kimi-Linear: 2.4 MB) is read once
+// per 8 tokens, spread over E/4 blocks, where the per-token kernel reads it all in
+// each token's one block. Each group's 32 sums (4 experts x 8 tokens) are reduced
+// across its lanes in 31 shuffles (lane l ends with sum l), then the 8 groups' in
+// group order. A token's sums depend on the shapes only, not on the other tokens of
+// the launch. vec: as for the per-token kernel.
 constexpr int kRouterGroups = 8, kRouterRows = 4, kRouterTokens = 8, kRouterLoads = 2;
 static_assert(kRouterRows * kRouterTokens == kGroup, "one sum per lane after the reduction");
 
-// One step of router_logits' reduce-scatter: sums [0, 2 off) -> [0, off), exchanged with the lane off away.
+// One step of router_logits_spread's reduce-scatter: sums [0, 2 off) -> [0, off), exchanged with the lane off
+// away.
 template <int off>
 __device__ __forceinline__ void router_reduce_step(float* acc, int lane) {
   const bool upper = (lane & off) != 0;
@@ -207,8 +279,8 @@ __device__ __forceinline__ void router_reduce_step(float* acc, int lane) {
 
 template <typename T>
 __global__ void __launch_bounds__(kRouterGroups * kGroup)
-    router_logits_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
-                         float* __restrict__ logits, int64_t tokens, int experts, int dim, bool vec) {
+    router_logits_spread_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
+                                float* __restrict__ logits, int64_t tokens, int experts, int dim, bool vec) {
   pdl_enter();
   __shared__ float partial[kRouterGroups][kGroup];
   const int e0 = blockIdx.x * kRouterRows;
@@ -638,18 +710,32 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
   });
 }
 
+// The spread kernel where many experts are summed for few tokens (Kimi-Linear's 256 at decode: 8.0 against 38.1
+// us at one token, 12.8 against 37.9 at 8; session 23); the per-token one elsewhere (the bench model's 16 experts:
+// 7.3-11.6 against 7.7-13.6 us; 256 experts at 256 tokens: 71 against 118 us).
+constexpr int64_t kRouterSpreadMinExperts = 64, kRouterSpreadMaxTokens = 64;
+
 const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens,
                           int64_t experts, int64_t dim, int dtype, uintptr_t stream) {
   if (tokens < 0 || experts < 1 || dim < 1) return "router_logits: needs tokens >= 0, experts >= 1, dim >= 1";
   if (tokens == 0) return nullptr;
-  if (ceil_div(tokens, kRouterTokens) > 65535) return "router_logits: at most 524280 tokens";
-  const dim3 grid(static_cast<unsigned>(ceil_div(experts, kRouterRows)),
-                  static_cast<unsigned>(ceil_div(tokens, kRouterTokens)));
+  const bool spread = experts >= kRouterSpreadMinExperts && tokens <= kRouterSpreadMaxTokens;
+  const int64_t groups = kRouterThreads / kGroup;
+  const int split = static_cast<int>(experts >= groups ? 1 : groups / experts);  // groups summing one expert
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "router_logits", [&]() {
     const bool vec = dim % 4 == 0 && weight % 16 == 0 && x % (4 * sizeof(scalar_t)) == 0 && x_stride % 4 == 0;
-    launch_kernel(router_logits_kernel<scalar_t>, grid, kRouterGroups * kGroup, 0, as_stream(stream),
-                  reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
-                  reinterpret_cast<float*>(logits), tokens, static_cast<int>(experts), static_cast<int>(dim), vec);
+    if (spread) {
+      const dim3 grid(static_cast<unsigned>(ceil_div(experts, kRouterRows)),
+                      static_cast<unsigned>(ceil_div(tokens, kRouterTokens)));
+      launch_kernel(router_logits_spread_kernel<scalar_t>, grid, kRouterGroups * kGroup, 0, as_stream(stream),
+                    reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
+                    reinterpret_cast<float*>(logits), tokens, static_cast<int>(experts), static_cast<int>(dim), vec);
+    } else {
+      launch_kernel(
+          router_logits_per_token_kernel<scalar_t>, static_cast<unsigned>(tokens), kRouterThreads, 0,
+          as_stream(stream), reinterpret_cast<const scalar_t*>(x), x_stride, reinterpret_cast<const float*>(weight),
+          reinterpret_cast<float*>(logits), static_cast<int>(experts), static_cast<int>(dim), split, vec);
+    }
     return last_launch_error();
   });
 }

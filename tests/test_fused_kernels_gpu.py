@@ -72,12 +72,14 @@ def test_rms_norm_strided_rows(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "tokens,experts,dim", [(1, 16, 2304), (64, 16, 2304), (7, 5, 33), (3, 40, 1000), (5, 256, 7168), (2, 1, 20000),
-                           (1, 256, 2304), (9, 256, 2304), (256, 256, 2304), (17, 7, 520)]
+                           (1, 256, 2304), (9, 256, 2304), (256, 256, 2304), (17, 7, 520), (5, 67, 520), (3, 99, 33)]
 )
 def test_router_logits(dtype, tokens, experts, dim):
-    """x in the model dtype times the fp32 router weight, summed in fp32, 4 experts x 8 tokens a block: experts
-    not a multiple of 4 (1, 5, 7), tokens not a multiple of 8, Kimi-Linear's 256 x 2304 from 1 to 256 tokens;
-    dim 33: the element path; dim 520: a last pass with some threads idle."""
+    """x in the model dtype times the fp32 router weight, summed in fp32. The per-token kernel (fewer than 64
+    experts, or more than 64 tokens): one expert split over lane groups (E = 1, 5, 7, 16) or several experts a
+    group (E = 40, and 256 at 256 tokens). The spread kernel (blocks of 4 experts x 8 tokens): Kimi-Linear's
+    256 x 2304 at 1 and 9 tokens, 67 and 99 experts (a partial block), dim 520 (threads without a vector).
+    dim 33: the element path."""
     x, w = torch.randn(tokens, dim).to(dtype), torch.randn(experts, dim) * dim**-0.5
     _poison_allocator()
     out = fused.router_logits(x.cuda(), w.cuda())

@@ -144,8 +144,8 @@ def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, r
     return weights * scale, ids
 
 
-# Up to this many tokens the kernel (blocks of 4 experts x 8 tokens); above, the fp32 matmul (the crossover is not
-# measured).
+# Up to this many tokens a kernel (csrc/fused.cu picks the per-token or the spread one by shape); above, the fp32
+# matmul (the crossover is not measured).
 ROUTER_KERNEL_MAX_TOKENS = 256
 
 
