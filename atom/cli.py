@@ -73,8 +73,8 @@ def _engine_flags() -> argparse.ArgumentParser:
                         "default: a small random Kimi-Linear model built into ~/.cache/atom")
     g.add_argument("--tokenizer", metavar="PATH", help="tokenizer folder (default: the model folder)")
     g.add_argument("--load-format", choices=LOAD_FORMATS,
-                   help="auto: the model folder's *.safetensors; dummy: random weights of config.json's shape, "
-                        f"for benchmarks (the folder needs no weights) {_default('load_format')}")
+                   help="auto (or safetensors): the model folder's *.safetensors; dummy: random weights of "
+                        f"config.json's shape, for benchmarks (the folder needs no weights) {_default('load_format')}")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help=f"weight and activation dtype; auto follows the checkpoint {_default('dtype')}")
     g.add_argument("--max-num-seqs", type=int, metavar="N",
@@ -94,7 +94,8 @@ def _engine_flags() -> argparse.ArgumentParser:
                    help="exact number of KV-cache blocks, instead of sizing them from memory")
     g.add_argument("--kv-cache-memory", type=_byte_size, metavar="BYTES",
                    help="memory for KV blocks and recurrent-state slots, in bytes or with a suffix "
-                        "(512M, 2G; binary units) (default: sized from max-num-seqs and max-model-len, at most 1G)")
+                        "(512M, 2G; binary units) (default: room for max-num-seqs requests of max-model-len, at most "
+                        "90%% of the GPU memory left after the model, or 1G on the CPU)")
     g.add_argument("--seed", type=int,
                    help=f"random seed; `generate` also seeds its prompt's sampling with it {_default('seed')}")
     g.add_argument("--device", help=f"torch device, e.g. cpu, cuda, cuda:1 {_default('device')}")
