@@ -50,14 +50,14 @@ def plan_cache(config: EngineConfig, specs: dict[int, CacheSpec]) -> CacheLayout
         budget = config.kv_cache_memory or _default_budget(config, want, per_request)
         if recurrent and groups * per_request > budget:
             # Fewer groups, each with a full request's blocks: state groups without blocks to run in (or
-            # blocks without a state) would only sit idle.
-            groups = max(budget // per_request, 1) if per_request else groups
+            # blocks without a state) would only sit idle. (per_request > 0: it holds a state group.)
+            fitting = max(budget // per_request, 1)
             logger.warning(
                 "the cache budget (%.0f MiB) holds %d requests of max_model_len=%d at once, not max_num_seqs=%d;"
                 " raise --kv-cache-memory to %d bytes, or lower --max-num-seqs or --max-model-len",
-                budget / 2**20, groups, config.max_model_len, config.max_num_seqs,
-                (config.num_state_slots or config.max_num_seqs) * per_request,
+                budget / 2**20, fitting, config.max_model_len, config.max_num_seqs, groups * per_request,
             )
+            groups = fitting
         left = budget - groups * per_group
         blocks = max(left, 0) // per_block if per_block else 1
     layout = CacheLayout(int(blocks), int(groups), per_block, per_group)
