@@ -418,6 +418,22 @@ def bench_router(C, tokens: int, experts: int = 16, dim: int = 2304) -> dict:
     return {"op": f"router_logits T={tokens} E={experts} D={dim}", "bytes": moved, "us": time_us(run)}
 
 
+def bench_moe_route(C, tokens: int, experts: int, top_k: int) -> dict:
+    """Top-k experts per token from the fp32 logits (sigmoid, bias, renormalised): Kimi-Linear's router after its
+    logits. Graph-timed too (``timings``): at one token it is a latency, not a bandwidth."""
+
+    def make():
+        logits = torch.randn(tokens, experts, device="cuda")
+        bias = torch.randn(experts, device="cuda") * 0.1
+        ids = torch.empty(tokens, top_k, dtype=torch.int64, device="cuda")
+        weights = torch.empty(tokens, top_k, device="cuda")
+        return lambda: C.moe_route(logits.data_ptr(), experts, bias.data_ptr(), tokens, experts, top_k, True, 2.5,
+                                   ids.data_ptr(), weights.data_ptr(), stream())  # fmt: skip
+
+    moved = tokens * experts * 4 + experts * 4 + tokens * top_k * 12
+    return {"op": f"moe_route T={tokens} E={experts} k={top_k}", "bytes": moved, **timings(make, moved, graph=True)}
+
+
 def bench_mla(
     C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None, kernel: int = 0
 ) -> dict:
@@ -686,6 +702,8 @@ def main() -> None:
               for r in (64, 16384) for a in (False, True)]  # fmt: skip
     cases += [(f"router_logits T={t} E={e}", lambda t=t, e=e: bench_router(C, t, e))
               for e in (16, 256) for t in (1, 8, 64, 256)]  # the bench model's router; Kimi-Linear's
+    cases += [(f"moe_route T={t} E={e} k={k}", lambda t=t, e=e, k=k: bench_moe_route(C, t, e, k))
+              for e, k in ((16, 4), (256, 8)) for t in (1, 8, 64, 256)]  # fmt: skip
     for experts, top_k in ((256, 8), (16, 4)):  # Kimi-Linear's routing; bench/decode_gpu.py's model
         cases += [(f"moe_gemv T={t} E={experts}", lambda t=t, e=experts, k=top_k: bench_moe(t, e, k))
                   for t in (1, 2, 4, 8, 16, 32)]  # fmt: skip

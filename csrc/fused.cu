@@ -356,53 +356,74 @@ __global__ void __launch_bounds__(kRouterGroups * kGroup)
 
 constexpr int kMaxExpertsPerLane = 8;  // up to 256 experts
 
-// One 32-thread group per token. Lane l holds experts l, l + 32, ...; each of
-// the k rounds takes the best remaining biased score (lowest id on ties).
+// A float's bits as an unsigned number that orders like the float (-0 just below +0).
+__device__ __forceinline__ unsigned ordered_bits(float v) {
+  const unsigned u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The largest (kMax) or the smallest value over a 32-lane group: one instruction on sm_80+.
+template <bool kMax>
+__device__ __forceinline__ unsigned group_extreme_u32(unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
+#else
+#pragma unroll
+  for (int off = kGroup / 2; off > 0; off /= 2) {
+    const auto other = static_cast<unsigned>(__shfl_xor_sync(0xffffffffu, v, off, kGroup));
+    v = kMax ? max(v, other) : min(v, other);
+  }
+  return v;
+#endif
+}
+
+// One 32-thread group per token. Lane l holds experts l, l + 32, ..., sorted best
+// first by (biased score, then lowest id); each of the k rounds takes the best of
+// the lanes' heads (the largest key, then the lowest id with it) and its owner
+// drops it. Experts past the count have key 0, below any float's.
 __global__ void __launch_bounds__(kRowsPerBlock * kGroup)
     moe_route_kernel(const float* logits, int64_t logits_stride, const float* bias, int64_t tokens, int experts,
                      int top_k, bool renormalize, float scale, int64_t* ids, float* weights) {
   pdl_enter();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kGroup;
-  if (t >= tokens) return;
+  if (t >= tokens) return;  // whole groups: a group is a warp
   const int lane = threadIdx.x % kGroup;
-  float score[kMaxExpertsPerLane], biased[kMaxExpertsPerLane];
+  unsigned key[kMaxExpertsPerLane], id[kMaxExpertsPerLane];
+  float score[kMaxExpertsPerLane];
 #pragma unroll
   for (int j = 0; j < kMaxExpertsPerLane; ++j) {
     const int e = lane + j * kGroup;
     score[j] = e < experts ? 1.f / (1.f + expf(-logits[t * logits_stride + e])) : 0.f;
-    biased[j] = e < experts ? score[j] + (bias != nullptr ? bias[e] : 0.f) : -INFINITY;
+    key[j] = e < experts ? ordered_bits(score[j] + (bias != nullptr ? bias[e] : 0.f)) : 0u;
+    id[j] = static_cast<unsigned>(e);
+  }
+#pragma unroll
+  for (int i = 1; i < kMaxExpertsPerLane; ++i) {  // insertion sort; equal keys keep their (id) order
+#pragma unroll
+    for (int j = i; j > 0; --j) {
+      if (key[j] > key[j - 1]) {
+        const unsigned k = key[j], d = id[j];
+        const float sc = score[j];
+        key[j] = key[j - 1], id[j] = id[j - 1], score[j] = score[j - 1];
+        key[j - 1] = k, id[j - 1] = d, score[j - 1] = sc;
+      }
+    }
   }
   float picked_sum = 0.f, mine = 0.f;  // lane r keeps pick r's weight
   int64_t my_id = 0;
   for (int r = 0; r < top_k; ++r) {
-    float best = -INFINITY, best_score = 0.f;
-    int best_e = INT32_MAX, best_j = -1;
+    const unsigned best = group_extreme_u32<true>(key[0]);
+    const unsigned pick = group_extreme_u32<false>(key[0] == best ? id[0] : 0xffffffffu);
+    const float picked = __shfl_sync(0xffffffffu, score[0], static_cast<int>(pick % kGroup), kGroup);
+    if (id[0] == pick) {  // the owner drops its head
 #pragma unroll
-    for (int j = 0; j < kMaxExpertsPerLane; ++j) {
-      const int e = lane + j * kGroup;
-      if (e < experts && (biased[j] > best || (biased[j] == best && e < best_e))) {
-        best = biased[j];
-        best_e = e;
-        best_j = j;
-        best_score = score[j];
-      }
+      for (int j = 0; j + 1 < kMaxExpertsPerLane; ++j) key[j] = key[j + 1], id[j] = id[j + 1], score[j] = score[j + 1];
+      key[kMaxExpertsPerLane - 1] = 0u;
     }
-#pragma unroll
-    for (int off = kGroup / 2; off > 0; off /= 2) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, off, kGroup);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, off, kGroup);
-      const float os = __shfl_xor_sync(0xffffffffu, best_score, off, kGroup);
-      if (ob > best || (ob == best && oe < best_e)) {
-        best = ob;
-        best_e = oe;
-        best_score = os;
-      }
-    }
-    if (best_j >= 0 && lane + best_j * kGroup == best_e) biased[best_j] = -INFINITY;  // the owner drops it
-    picked_sum += best_score;
+    picked_sum += picked;
     if (lane == r) {
-      mine = best_score;
-      my_id = best_e;
+      mine = picked;
+      my_id = pick;
     }
   }
   if (lane < top_k) {
@@ -411,6 +432,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kGroup)
     weights[t * top_k + lane] = w * scale;
   }
 }
+
 
 // ---- moe_align --------------------------------------------------------------------------------------------------
 

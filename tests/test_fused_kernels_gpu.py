@@ -126,6 +126,21 @@ def test_moe_route(tokens, experts, top_k, renorm):
     assert rel_err(weights, w_ref) < 1e-5
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 256, 8), (9, 256, 32), (4, 70, 20), (2, 33, 32)])
+def test_moe_route_ties_go_to_the_lowest_id(tokens, experts, top_k):
+    """Scores from a few values, so most picks tie: the lower expert id goes first, as in a stable sort. 32 picks
+    (the kernel's most) of 256 experts take several from one lane; 32 of 33 leave lane 0 one of its two."""
+    logits = torch.randint(-2, 3, (tokens, experts)).float()
+    bias = torch.randint(-1, 2, (experts,)).float() * 0.25
+    _poison_allocator()
+    weights, ids = fused.moe_route(logits.cuda(), bias.cuda(), top_k, True, 1.0)
+    scores = logits.sigmoid()
+    expected = torch.sort(scores + bias, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(ids.cpu(), expected)
+    picked = scores.gather(1, expected)
+    assert rel_err(weights, picked / picked.sum(dim=-1, keepdim=True)) < 1e-5
+
+
 # from 3072 pairs the tiled form (two launches, tiles of 2048 pairs): 4096 pairs and more here
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 16, 4), (64, 16, 4), (2000, 64, 6), (3, 1024, 2), (1024, 16, 4),
                                                   (8000, 256, 8), (3000, 1024, 1), (70000, 16, 4)])
