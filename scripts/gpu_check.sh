@@ -9,7 +9,9 @@
 #   WITH_KERNEL_BENCH=1 bash scripts/gpu_check.sh  # also bench/kernels_gpu.py --graph
 #   SKIP_FLA=1 bash scripts/gpu_check.sh        # without fla's tests (Triton autotunes them afresh, minutes)
 #   SANITIZE=1 SKIP_BENCH=1 bash scripts/gpu_check.sh  # also the kernel tests under compute-sanitizer's four
-#                                               # tools, and the engine's GPU tests under memcheck (~5 min)
+#                                               # tools, and the engine's GPU tests under memcheck (session
+#                                               # 24: 1-1.5 min a tool; the engine's over 4 min: more than a
+#                                               # 600 s device call holds with the tests before them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -41,11 +43,20 @@ if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary 
   CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck synccheck initcheck; do
     report=""; [ $tool = racecheck ] && report="--racecheck-report hazard"
+    # which_linears reads the profiler, blind under a sanitizer. initcheck also leaves out the sampler test
+    # against its torch reference: there it reports uninitialized reads inside torch's own topk and sort kernels
+    # (session 24: mbtopk::computeBlockDigitCounts, bitonicSortKVInPlace), in no ATOM kernel.
+    skip="not fla and not which_linears"
+    [ $tool = initcheck ] && skip="$skip and not with_the_kernel_and_with_the_reference"
     stage "sanitize_$tool" ${SANITIZE_LIMIT:-300} "$CS" --tool $tool $report --error-exitcode 1 \
-      $PYTEST $KERNEL_TESTS -k "not fla and not which_linears"  # that test reads the profiler, blind here
+      $PYTEST $KERNEL_TESTS -k "$skip"
   done
+  # The engine's GPU tests under memcheck, in two stages (together they took over 240 s in session 24); the
+  # real-shape test (25 GB in fp32) is too slow here.
   stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
-    $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py -k "not real_shape"  # 25 GB: too slow here
+    $PYTEST tests/test_gpu_engine.py -k "not real_shape"
+  stage sanitize_graph_buffers ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
+    $PYTEST tests/test_cuda_graph_buffers.py
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 # 128 new tokens: eight 16-step rounds, so the rounds' edges (first and last) weigh little in the figure
