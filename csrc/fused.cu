@@ -433,7 +433,6 @@ __global__ void __launch_bounds__(kRowsPerBlock * kGroup)
   }
 }
 
-
 // ---- moe_align --------------------------------------------------------------------------------------------------
 
 constexpr int kAlignThreads = 1024;

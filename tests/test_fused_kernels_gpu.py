@@ -129,7 +129,7 @@ def test_moe_route(tokens, experts, top_k, renorm):
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 256, 8), (9, 256, 32), (4, 70, 20), (2, 33, 32)])
 def test_moe_route_ties_go_to_the_lowest_id(tokens, experts, top_k):
     """Scores from a few values, so most picks tie: the lower expert id goes first, as in a stable sort. 32 picks
-    (the kernel's most) of 256 experts take several from one lane; 32 of 33 leave lane 0 one of its two."""
+    (the kernel's most) of 256 experts take several from one lane; of 33 experts lane 0 holds two, the others one."""
     logits = torch.randint(-2, 3, (tokens, experts)).float()
     bias = torch.randint(-1, 2, (experts,)).float() * 0.25
     _poison_allocator()
