@@ -406,16 +406,17 @@ def bench_rms_norm(C, rows: int, dim: int = 2304, residual: bool = False) -> dic
 
 
 def bench_router(C, tokens: int, experts: int = 16, dim: int = 2304) -> dict:
-    x = torch.randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
-    w = torch.randn(experts, dim, device="cuda")
-    logits = torch.empty(tokens, experts, device="cuda")
+    """The router's fp32 logits from bf16 activations; graph-timed too (``timings``), like ``bench_moe_route``."""
 
-    def run():
-        C.router_logits(x.data_ptr(), dim, w.data_ptr(), logits.data_ptr(), tokens, experts, dim,
-                        dtype_code(torch.bfloat16), stream())  # fmt: skip
+    def make():
+        x = torch.randn(tokens, dim, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(experts, dim, device="cuda")
+        logits = torch.empty(tokens, experts, device="cuda")
+        return lambda: C.router_logits(x.data_ptr(), dim, w.data_ptr(), logits.data_ptr(), tokens, experts, dim,
+                                       dtype_code(torch.bfloat16), stream())  # fmt: skip
 
-    moved = x.numel() * 2 + w.numel() * 4 + logits.numel() * 4
-    return {"op": f"router_logits T={tokens} E={experts} D={dim}", "bytes": moved, "us": time_us(run)}
+    moved = tokens * dim * 2 + experts * dim * 4 + tokens * experts * 4
+    return {"op": f"router_logits T={tokens} E={experts} D={dim}", "bytes": moved, **timings(make, moved, graph=True)}
 
 
 def bench_moe_route(C, tokens: int, experts: int, top_k: int) -> dict:
