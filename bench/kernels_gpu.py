@@ -9,6 +9,7 @@
     python bench/kernels_gpu.py --only conv1d_prefill  # KDA's prefill conv: kernel vs the torch path
     python bench/kernels_gpu.py --only linear        # dense linears at decode sizes: gemv vs cuBLAS
     python bench/kernels_gpu.py --only ksplit        # the gemv kernel with each k_split forced
+    python bench/kernels_gpu.py --only kda_gate_proj # KDA's gate projections: one kernel vs three
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -342,6 +343,36 @@ def bench_kda_gate(C, tokens: int, heads: int = 32, dim: int = 128) -> dict:
 
     moved = tokens * heads * (dim + 1) * (2 + 4)  # f and b read in bf16, g and beta written in fp32
     return {"op": f"kda_gate T={tokens} H={heads} K={dim}", "bytes": moved, "us": time_us(run)}
+
+
+def bench_kda_gate_proj(tokens: int, heads: int = 32, dim: int = 128, rank: int = 128) -> list[dict]:
+    """KDA's two low-rank up-projections and its gate at decode sizes (bf16): ``fused.kda_gate_proj``'s one
+    kernel against what it replaces (two linears and ``kda_gate``, as ``atom.ops`` runs them), side by side,
+    event-timed and back to back in a CUDA graph over copies of the weights that hold 4x L2."""
+    from atom.ops.cuda import fused
+    from atom.ops.cuda.linear import linear
+
+    bf16, channels = torch.bfloat16, heads * dim
+    moved = 2 * channels * rank * 2 + tokens * (2 * rank + heads) * 2 + tokens * (channels * 6 + heads * 4)
+
+    def make_with(one_kernel: bool):
+        def make():
+            rows = torch.randn(tokens, 2 * rank + heads, dtype=bf16, device="cuda")
+            f_a, g_a, b = rows[:, :rank], rows[:, rank : 2 * rank], rows[:, 2 * rank :]
+            w_f, w_g = (torch.randn(channels, rank, dtype=bf16, device="cuda") * rank**-0.5 for _ in range(2))
+            dt_bias, a_log = torch.randn(channels, device="cuda"), torch.randn(heads, dtype=bf16, device="cuda")
+            if one_kernel:
+                return lambda: fused.kda_gate_proj(f_a, g_a, b, w_f, w_g, dt_bias, a_log, dim)
+            return lambda: (fused.kda_gate(linear(f_a, w_f), dt_bias, a_log, b, dim), linear(g_a, w_g))
+
+        return make
+
+    name = f"kda_gate_proj T={tokens} H={heads} K={dim} R={rank}"
+    one, three = timings(make_with(True), moved, graph=True), timings(make_with(False), moved, graph=True)
+    print(f"{name}: one kernel {one['graph_us']:.1f} us in a graph, two linears + kda_gate {three['graph_us']:.1f} us:"
+          f" {three['graph_us'] / one['graph_us']:.2f}x (event-timed {one['us']:.1f} / {three['us']:.1f} us)",
+          flush=True)  # fmt: skip
+    return [{"op": name, "bytes": moved, **one}, {"op": f"{name} separate", "bytes": moved, **three}]
 
 
 def bench_moe_combine(C, tokens: int, top_k: int = 4, dim: int = 2304) -> dict:
@@ -695,6 +726,7 @@ def main() -> None:
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
     cases += [(f"conv1d_prefill {n}x{t}", lambda n=n, t=t: bench_conv_prefill(n, t)) for n, t in ((1, 4000), (32, 250))]
     cases += [(f"kda_gate T={t}", lambda t=t: bench_kda_gate(C, t)) for t in (64, 1024, 8000)]
+    cases += [(f"kda_gate_proj T={t}", lambda t=t: bench_kda_gate_proj(t)) for t in (1, 2, 4, 8, 16, 32, 64)]
     cases += [(f"moe_combine T={t}", lambda t=t: bench_moe_combine(C, t)) for t in (64, 1024, 8000)]
     cases += [(f"moe_align T={t} E={e}", lambda t=t, e=e, k=k: bench_moe_align(C, t, e, k))
               for t in (64, 1024, 8000) for e, k in ((16, 4), (256, 8))]  # fmt: skip

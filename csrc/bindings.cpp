@@ -201,6 +201,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("heads"), py::arg("head_dim"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
+      "kda_gate_proj",
+      [](uintptr_t f_a, uintptr_t g_a, int64_t x_stride, uintptr_t b, int64_t b_stride, int64_t tokens, uintptr_t w_f,
+         uintptr_t w_g, int64_t channels, int64_t dim, uintptr_t dt_bias, uintptr_t a_log, int64_t heads, uintptr_t g,
+         uintptr_t beta, uintptr_t gate, int dtype, uintptr_t stream) {
+        check(atom::kda_gate_proj(f_a, g_a, x_stride, b, b_stride, tokens, w_f, w_g, channels, dim, dt_bias, a_log,
+                                  heads, g, beta, gate, dtype, stream));
+      },
+      "kda_gate with its two low-rank up-projections, at decode sizes", py::arg("f_a"), py::arg("g_a"),
+      py::arg("x_stride"), py::arg("b"), py::arg("b_stride"), py::arg("tokens"), py::arg("w_f"), py::arg("w_g"),
+      py::arg("channels"), py::arg("dim"), py::arg("dt_bias"), py::arg("a_log"), py::arg("heads"), py::arg("g"),
+      py::arg("beta"), py::arg("gate"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
       "router_logits",
       [](uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens, int64_t experts,
          int64_t dim, int dtype, uintptr_t stream) {

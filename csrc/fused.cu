@@ -7,12 +7,16 @@
 //   rms_norm     out = weight * round(x * rsqrt(mean(x^2) + eps)), x optionally round(x + residual) first
 //   silu_mul     out = round(silu(gate)) * up, gate | up halves of one row
 //   kda_gate     g = -exp(A_log[h]) * softplus(f + dt_bias) and beta = round(sigmoid(b))
+//   kda_gate_proj  kda_gate with its two low-rank up-projections: f = round(f_a W_f^T) and the output
+//                gate round(g_a W_g^T), at decode sizes
 //   router_logits  logits = x W^T in fp32 (x in the model dtype, W fp32): the router's matmul at decode sizes
 //   moe_route    sigmoid scores, top-k on score + bias, weights renormalised and scaled
 //   moe_align    (token, pick) pairs grouped by expert: positions and group ends
 //   moe_combine  out = round(sum_j w_j * y[row_j]) (+ addend), summed in pick order; row_j = pos_j, or
 //                ids_j * T + t for every expert's output on every token (expert-major y)
 //   advance_decode  the CUDA-graph decode buffers moved one step on (multi-step decoding)
+#include <type_traits>
+
 #include "kernel_common.h"
 
 namespace atom {
@@ -176,6 +180,89 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
       const float v = to_float(b[t * b_stride + h]);
       beta[j] = round_to<T>(1.f / (1.f + expf(-v)));
     }
+  }
+}
+
+// ---- kda_gate_proj -----------------------------------------------------------------------------------------------
+
+// At decode sizes KDA's two low-rank up-projections (W_f, W_g: [channels, dim], dim = 128 in Kimi-Linear) are
+// 1 MB reads each, and as two linears and kda_gate they were three launches whose fixed cost outweighs their
+// bytes. Here one launch: 16 lanes split a row's dot product (a 128-element bf16 row is one 16-byte vector a
+// lane) for kProjRows rows and kTokens tokens; blocks [0, gridDim.x / 2) take W_f's rows, the rest W_g's, so a
+// block reads one input. Where the rows take 16-byte loads (the layer's do), a token's sums do not depend on the
+// other tokens of the launch.
+constexpr int kProjLanes = 16;
+constexpr int kProjRows = 2;  // rows a 16-lane group
+constexpr int kProjRowsPerBlock = kThreads / kProjLanes * kProjRows;
+constexpr int kProjMaxTokens = 8;  // tokens a block; a lane of the 16 finishes each (row, token) pair
+static_assert(kProjRows * kProjMaxTokens <= kProjLanes, "kda_gate_proj: more pairs than lanes");
+
+template <typename T, int kN, int kTokens>  // kTokens <= kProjMaxTokens
+__global__ void __launch_bounds__(kThreads)
+    kda_gate_proj_kernel(const T* __restrict__ f_a, const T* __restrict__ g_a, int64_t x_stride,
+                         const T* __restrict__ b, int64_t b_stride, int tokens, const T* __restrict__ w_f,
+                         const T* __restrict__ w_g, int channels, int dim, const float* __restrict__ dt_bias,
+                         const T* __restrict__ a_log, int heads, float* __restrict__ g, float* __restrict__ beta,
+                         T* __restrict__ gate) {
+  pdl_enter();
+  using V = Pack<T, kN>;
+  const int t0 = blockIdx.y * kTokens;  // this block's tokens; those past `tokens` repeat the last, not written
+  const int valid = min(kTokens, tokens - t0);
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < valid * heads; i += kThreads) {
+      const int64_t t = t0 + i / heads;
+      beta[t * heads + i % heads] = round_to<T>(1.f / (1.f + expf(-to_float(b[t * b_stride + i % heads]))));
+    }
+  }
+  const int half = gridDim.x / 2;
+  const bool decay = blockIdx.x < half;  // W_f's rows: their sums become g; W_g's become the gate
+  const int lane = threadIdx.x % kProjLanes;
+  const int row0 = ((decay ? blockIdx.x : blockIdx.x - half) * (kThreads / kProjLanes) + threadIdx.x / kProjLanes) *
+                   kProjRows;
+  const T* w = decay ? w_f : w_g;
+  const T* x = decay ? f_a : g_a;
+  const V* wr[kProjRows];
+#pragma unroll
+  for (int r = 0; r < kProjRows; ++r) {  // a row past the end repeats the last, and is not written
+    wr[r] = reinterpret_cast<const V*>(w + static_cast<int64_t>(min(row0 + r, channels - 1)) * dim);
+  }
+  const V* xr[kTokens];
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) xr[t] = reinterpret_cast<const V*>(x + (t0 + min(t, valid - 1)) * x_stride);
+  float acc[kProjRows][kTokens] = {};
+  const int vecs = dim / kN;
+  for (int c = lane; c < vecs; c += kProjLanes) {
+    V wv[kProjRows];
+#pragma unroll
+    for (int r = 0; r < kProjRows; ++r) wv[r] = wr[r][c];
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+      const V xv = xr[t][c];
+#pragma unroll
+      for (int r = 0; r < kProjRows; ++r) acc[r][t] += pack_dot<T, kN>(wv[r], xv);
+    }
+  }
+  // Every lane ends up holding every sum; lane j keeps the one of pair j = (row r, token t), so the epilogue's
+  // transcendentals run once, in parallel, not once a pair in turn.
+  float mine = 0.f;
+#pragma unroll
+  for (int r = 0; r < kProjRows; ++r) {
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+      float s = acc[r][t];
+#pragma unroll
+      for (int off = kProjLanes / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off, kProjLanes);
+      if (lane == r * kTokens + t) mine = s;
+    }
+  }
+  const int row = row0 + lane / kTokens, t = lane % kTokens;
+  if (lane >= kProjRows * kTokens || row >= channels || t >= valid) return;
+  const int64_t i = static_cast<int64_t>(t0 + t) * channels + row;
+  if (decay) {  // kda_gate on the rounded projection
+    const float raw = round_to<T>(mine) + dt_bias[row];
+    g[i] = -expf(to_float(a_log[row / (channels / heads)])) * (raw > 20.f ? raw : logf(1.f + expf(raw)));
+  } else {
+    gate[i] = from_float<T>(mine);
   }
 }
 
@@ -728,6 +815,46 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
       return last_launch_error();
     };
     return vec ? launch(kda_gate_kernel<scalar_t, kN>, kN) : launch(kda_gate_kernel<scalar_t, 1>, 1);
+  });
+}
+
+const char* kda_gate_proj(uintptr_t f_a, uintptr_t g_a, int64_t x_stride, uintptr_t b, int64_t b_stride,
+                          int64_t tokens, uintptr_t w_f, uintptr_t w_g, int64_t channels, int64_t dim,
+                          uintptr_t dt_bias, uintptr_t a_log, int64_t heads, uintptr_t g, uintptr_t beta,
+                          uintptr_t gate, int dtype, uintptr_t stream) {
+  if (tokens < 0 || heads < 1 || dim < 1 || channels < 1 || channels % heads != 0) {
+    return "kda_gate_proj: needs tokens >= 0, dim >= 1 and channels a positive multiple of heads >= 1";
+  }
+  if (x_stride < dim || b_stride < heads) return "kda_gate_proj: x_stride must be >= dim and b_stride >= heads";
+  if (channels > INT32_MAX / 2 || dim > INT32_MAX || tokens > INT32_MAX) {
+    return "kda_gate_proj: tokens, channels or dim too large";
+  }
+  if (tokens == 0) return nullptr;
+  const int64_t row_blocks = ceil_div(channels, kProjRowsPerBlock);
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "kda_gate_proj", [&]() {
+    constexpr int kN = 16 / sizeof(scalar_t);
+    const bool vec =
+        dim % kN == 0 && x_stride % kN == 0 && f_a % 16 == 0 && g_a % 16 == 0 && w_f % 16 == 0 && w_g % 16 == 0;
+    auto launch = [&](auto tokens_tag) -> const char* {
+      constexpr int kT = decltype(tokens_tag)::value;
+      const dim3 grid(static_cast<unsigned>(2 * row_blocks), static_cast<unsigned>(ceil_div(tokens, kT)));
+      if (grid.y > 65535) return "kda_gate_proj: too many tokens";
+      auto run = [&](auto kernel) {
+        launch_kernel(kernel, grid, kThreads, 0, as_stream(stream), reinterpret_cast<const scalar_t*>(f_a),
+                      reinterpret_cast<const scalar_t*>(g_a), x_stride, reinterpret_cast<const scalar_t*>(b),
+                      b_stride, static_cast<int>(tokens), reinterpret_cast<const scalar_t*>(w_f),
+                      reinterpret_cast<const scalar_t*>(w_g), static_cast<int>(channels), static_cast<int>(dim),
+                      reinterpret_cast<const float*>(dt_bias), reinterpret_cast<const scalar_t*>(a_log),
+                      static_cast<int>(heads), reinterpret_cast<float*>(g), reinterpret_cast<float*>(beta),
+                      reinterpret_cast<scalar_t*>(gate));
+        return last_launch_error();
+      };
+      return vec ? run(kda_gate_proj_kernel<scalar_t, kN, kT>) : run(kda_gate_proj_kernel<scalar_t, 1, kT>);
+    };
+    return tokens == 1   ? launch(std::integral_constant<int, 1>{})
+           : tokens == 2 ? launch(std::integral_constant<int, 2>{})
+           : tokens <= 4 ? launch(std::integral_constant<int, 4>{})
+                         : launch(std::integral_constant<int, kProjMaxTokens>{});  // grid.y blocks of 8 tokens
   });
 }
 

@@ -192,6 +192,15 @@ const char* kda_gate(uintptr_t f, int64_t f_stride, uintptr_t dt_bias, uintptr_t
                      uintptr_t g, uintptr_t beta, int64_t tokens, int64_t heads, int64_t head_dim, int dtype,
                      uintptr_t stream);
 
+// kda_gate_proj: kda_gate with its two up-projections, at decode sizes. f_a and g_a [tokens, dim] at row
+// stride x_stride, b [tokens, heads] at b_stride, w_f and w_g [channels, dim] (all `dtype`, weights
+// contiguous), dt_bias fp32 [channels], a_log `dtype` [heads]. Writes kda_gate's fp32 g [tokens, channels]
+// and beta [tokens, heads] from f = round(f_a w_f^T), and gate [tokens, channels] = round(g_a w_g^T).
+const char* kda_gate_proj(uintptr_t f_a, uintptr_t g_a, int64_t x_stride, uintptr_t b, int64_t b_stride,
+                          int64_t tokens, uintptr_t w_f, uintptr_t w_g, int64_t channels, int64_t dim,
+                          uintptr_t dt_bias, uintptr_t a_log, int64_t heads, uintptr_t g, uintptr_t beta,
+                          uintptr_t gate, int dtype, uintptr_t stream);
+
 // router_logits: logits fp32 [tokens, experts] = x [tokens, dim] (row stride,
 // `dtype`) times weight fp32 [experts, dim]^T, summed in fp32.
 const char* router_logits(uintptr_t x, int64_t x_stride, uintptr_t weight, uintptr_t logits, int64_t tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from atom.ops._C_loader import get_C
 from atom.ops.cuda import fused
@@ -112,6 +113,93 @@ def test_kda_gate(dtype, tokens, heads, head_dim):
     # g is fp32 all the way from the same rounded inputs: fp32 tolerance in both dtypes
     assert rel_err(g, g_ref) < 1e-5
     assert rel_err(beta, beta_ref) < TOL[dtype]  # rounded to the model dtype: one ulp apart at worst
+
+
+def _gate_proj_inputs(tokens: int, heads: int, head_dim: int, dim: int, dtype: torch.dtype, pad: int = 0):
+    """kda_gate_proj's inputs as the layer passes them: f_a, g_a and b views into one [T, 2R + H (+ pad)] row
+    (the layer's rows, 288 wide for Kimi-Linear, take 16-byte loads; pad 3 makes them too narrow for that)."""
+    rows = (torch.randn(tokens, 2 * dim + heads + pad) * 2).to(dtype)
+    f_a, g_a, b = rows[:, :dim], rows[:, dim : 2 * dim], rows[:, 2 * dim : 2 * dim + heads]
+    # f = f_a w_f^T reaches past 20 (softplus's identity branch) for some channels
+    w_f = (torch.randn(heads * head_dim, dim) * 8 * dim**-0.5).to(dtype)
+    w_g = (torch.randn(heads * head_dim, dim) * dim**-0.5).to(dtype)
+    dt_bias = torch.randn(heads * head_dim)
+    a_log = torch.empty(1, 1, heads, 1).uniform_(-3, 1).to(dtype)
+    return f_a, g_a, b, w_f, w_g, dt_bias, a_log
+
+
+def _gate_proj_gpu(f_a, g_a, b, w_f, w_g, dt_bias, a_log, head_dim, rows=None):
+    """kda_gate_proj on the GPU, with f_a, g_a and b views into one device tensor: the rows they were cut from
+    (``rows``, or their base)."""
+    rows_gpu = (f_a._base if rows is None else rows).cuda()
+    dim, heads = f_a.shape[1], b.shape[1]
+    f_a2, g_a2, b2 = rows_gpu[:, :dim], rows_gpu[:, dim : 2 * dim], rows_gpu[:, 2 * dim : 2 * dim + heads]
+    return fused.kda_gate_proj(f_a2, g_a2, b2, w_f.cuda(), w_g.cuda(), dt_bias.cuda(), a_log.cuda(), head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+# Kimi-Linear's 32 heads of 128 from 128-wide inputs at 1-64 tokens (one to eight blocks of tokens), and at 3
+# tokens in rows too narrow for 16-byte loads (the element loop); 3 x 40 channels, a partial block; inputs of 7
+# and of 33 elements (the element loop) and R != K; 256-wide inputs (two vectors a lane in bf16)
+@pytest.mark.parametrize("tokens,heads,head_dim,dim,pad", [(1, 32, 128, 128, 0), (2, 32, 128, 128, 0),
+                                                           (3, 32, 128, 128, 3), (9, 32, 128, 128, 0),
+                                                           (64, 32, 128, 128, 0), (5, 3, 40, 40, 0), (4, 5, 7, 7, 0),
+                                                           (6, 2, 20, 33, 1), (17, 8, 16, 256, 0)])
+def test_kda_gate_proj(dtype, tokens, heads, head_dim, dim, pad, monkeypatch):
+    """The two up-projections and kda_gate in one kernel, against F.linear + kda_gate_ref on the CPU (the kernel
+    forced past the token count where the engine stops using it)."""
+    monkeypatch.setattr(fused, "KDA_GATE_PROJ_MAX_TOKENS", 64)
+    inputs = _gate_proj_inputs(tokens, heads, head_dim, dim, dtype, pad)
+    _poison_allocator()
+    g, beta, gate = _gate_proj_gpu(*inputs, head_dim)
+    g_ref, beta_ref, gate_ref = fused.kda_gate_proj_ref(*inputs, head_dim)
+    assert g.shape == (tokens, heads, head_dim) and g.dtype == beta.dtype == torch.float32
+    assert gate.shape == (tokens, heads * head_dim) and gate.dtype == dtype
+    raw = F.linear(inputs[0], inputs[3]).float() + inputs[5]
+    assert (raw > 20).any() and (raw < 20).any()  # both of softplus's branches
+    # g comes from the projection rounded to the model dtype, whose last bit may differ with the summation order
+    tol = TOL.get(dtype, 1e-2)
+    assert rel_err(g, g_ref) < tol and rel_err(gate, gate_ref) < tol and rel_err(beta, beta_ref) < tol
+
+
+def test_kda_gate_proj_token_does_not_depend_on_the_batch():
+    """A token's outputs are bit-equal alone, in a pair and among 11 others (one, two and eight tokens a block),
+    in the layer's row layout."""
+    assert fused.KDA_GATE_PROJ_MAX_TOKENS >= 12  # all three run the kernel
+    inputs = _gate_proj_inputs(12, 32, 128, 128, torch.bfloat16)
+    rows = inputs[0]._base
+    together = _gate_proj_gpu(*inputs, 128)
+    for t in (0, 5, 11):
+        first = min(t, 10)  # the pair starts here
+        alone = _gate_proj_gpu(*inputs, 128, rows=rows[t : t + 1])
+        pair = _gate_proj_gpu(*inputs, 128, rows=rows[first : first + 2])
+        for a, p, full in zip(alone, pair, together):
+            assert torch.equal(a[0], full[t]) and torch.equal(p[t - first], full[t])
+
+
+def _kernels_run(fn) -> set[str]:
+    """The names of the CUDA kernels fn() launched (by the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+def test_kda_gate_proj_runs_one_kernel_up_to_its_token_limit(monkeypatch):
+    """Up to KDA_GATE_PROJ_MAX_TOKENS tokens one kernel; past it, or with the limit at 0, two linears and
+    kda_gate, with the same results within tolerance."""
+    limit = fused.KDA_GATE_PROJ_MAX_TOKENS
+    for tokens, one_kernel in ((1, True), (limit, True), (limit + 3, False)):
+        inputs = _gate_proj_inputs(tokens, 4, 128, 128, torch.bfloat16)
+        outs = _gate_proj_gpu(*inputs, 128)
+        names = _kernels_run(lambda inputs=inputs: _gate_proj_gpu(*inputs, 128))
+        assert any("kda_gate_proj_kernel" in n for n in names) == one_kernel
+        assert any("kda_gate_kernel" in n for n in names) == (not one_kernel)
+        for out, ref in zip(outs, fused.kda_gate_proj_ref(*inputs, 128)):
+            assert rel_err(out, ref) < TOL[torch.bfloat16]
+    monkeypatch.setattr(fused, "KDA_GATE_PROJ_MAX_TOKENS", 0)
+    names = _kernels_run(lambda: _gate_proj_gpu(*_gate_proj_inputs(1, 4, 128, 128, torch.bfloat16), 128))
+    assert not any("kda_gate_proj_kernel" in n for n in names)
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,renorm", [(1, 16, 4, True), (64, 16, 4, True), (37, 256, 8, True),

@@ -33,7 +33,7 @@ from atom.layers.linear import Linear, StackedLinears
 from atom.layers.norm import GatedRMSNorm
 from atom.ops import PaddedLayout, split_decode_prefill
 from atom.ops.cuda import conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, kernels_apply
-from atom.ops.cuda.fused import kda_gate
+from atom.ops.cuda.fused import kda_gate_proj
 from atom.ops.kda import causal_conv1d_with_inputs, conv_states_per_token, kda, kda_recurrent_states, l2norm
 
 
@@ -101,8 +101,10 @@ class KimiDeltaAttention(nn.Module):
         x = hidden_states
         mixed = self.qkv(x)  # [T, 3*H*K] pre-conv
         f_a, g_a, b = self.gate_inputs.split(x)
-        # decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) [T, H, K] and beta = sigmoid(b(x)) [T, H], fp32
-        g, beta = kda_gate(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.head_dim)
+        # decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) [T, H, K] and beta = sigmoid(b(x)) [T, H], fp32;
+        # the output gate g_b(g_a(x)) [T, H*K] (one kernel at decode sizes)
+        g, beta, gate = kda_gate_proj(f_a, g_a, b, self.f_b_proj.weight, self.g_b_proj.weight, self.dt_bias,
+                                      self.A_log, self.head_dim)
         # Fresh sequences start from zeros: select (not multiply) so stale NaNs cannot leak.
         continuing = md.has_initial_state
         fused = kernels_apply(x)
@@ -112,7 +114,7 @@ class KimiDeltaAttention(nn.Module):
             out = self._recur_kernels(mixed, g, beta, (md.num_seqs, 1), None, per_token=False)
         else:
             out = self._recur_groups(mixed, g, beta, continuing, fused)
-        gate = self.g_b_proj(g_a).unflatten(-1, (self.num_heads, self.head_dim))
+        gate = gate.unflatten(-1, (self.num_heads, self.head_dim))
         if fused:
             return self.o_proj(gated_rmsnorm(out, gate, self.o_norm.weight, self.o_norm.eps).flatten(1))
         return self.o_proj(self.o_norm(out, gate).flatten(1))

@@ -10,6 +10,7 @@ so both paths round to the model dtype at the same points.
     rms_norm      weight * round(x * rsqrt(mean(x^2) + eps))
     silu_mul      round(silu(gate)) * up over [gate | up] rows
     kda_gate      KDA's log-decay g and beta from their projections
+    kda_gate_proj kda_gate with its two low-rank up-projections (the decay's and the output gate's)
     moe_route     sigmoid router: top-k on score + bias, renormalised, scaled
     moe_align     (token, pick) pairs grouped by expert, for grouped matmuls
     moe_combine   each token's weighted sum over its picks (+ an addend)
@@ -20,10 +21,13 @@ so both paths round to the model dtype at the same points.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from atom.ops.cuda._launch import C, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda.linear import linear
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -128,6 +132,51 @@ def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, b: tor
                  b2.data_ptr(), b2.stride(0), g.data_ptr(), beta.data_ptr(), tokens, heads, head_dim,
                  dtype_code(f.dtype), stream_of(f.device))  # fmt: skip
     return g, beta
+
+
+# -- kda_gate_proj ------------------------------------------------------------------
+
+# Up to this many tokens kda_gate_proj runs its one kernel; above, two linears and kda_gate. Kimi-Linear's
+# shape (32 heads of 128, rank 128, bf16), back to back in a CUDA graph: 2.7 against 6.9 us at 1 token, 4.2
+# against 9.3 at 8, 5.5 against 9.3 at 16, even at 32, 15.8 against 9.6 at 64 (GPU_NOTES.md, session 25).
+# ATOM_KDA_GATE_PROJ_MAX_TOKENS overrides (read at import; 0 turns the kernel off).
+KDA_GATE_PROJ_MAX_TOKENS = int(os.environ.get("ATOM_KDA_GATE_PROJ_MAX_TOKENS", 16))
+
+
+def kda_gate_proj_ref(f_a: torch.Tensor, g_a: torch.Tensor, b: torch.Tensor, w_f: torch.Tensor,
+                      w_g: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    g, beta = kda_gate_ref(F.linear(f_a, w_f), dt_bias, a_log, b, head_dim)
+    return g, beta, F.linear(g_a, w_g)
+
+
+def kda_gate_proj(f_a: torch.Tensor, g_a: torch.Tensor, b: torch.Tensor, w_f: torch.Tensor, w_g: torch.Tensor,
+                  dt_bias: torch.Tensor, a_log: torch.Tensor,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """KDA's gates from its low-rank inputs: ``kda_gate(f_a w_f^T, ...)`` and the output gate ``g_a w_g^T``.
+
+    f_a, g_a [T, R] and b [T, H] (model dtype; views into one projection's
+    output are read in place), w_f and w_g [H*K, R]. Returns (g fp32 [T, H, K],
+    beta fp32 [T, H], gate [T, H*K] in the model dtype). At decode sizes (up to
+    KDA_GATE_PROJ_MAX_TOKENS tokens) one kernel, where it is two linears and
+    kda_gate: three launches for 2 MB of weights.
+    """
+    tokens, heads = b.shape
+    channels, dim = w_f.shape
+    if (tokens > KDA_GATE_PROJ_MAX_TOKENS or not kernels_apply(f_a, g_a, b, w_f, w_g)
+            or not all(t.dtype == f_a.dtype for t in (g_a, b, w_f, w_g, a_log)) or dt_bias.dtype != torch.float32
+            or w_g.shape != w_f.shape or not (w_f.is_contiguous() and w_g.is_contiguous())
+            or f_a.stride() != g_a.stride() or f_a.stride(-1) != 1 or b.stride(-1) != 1):  # fmt: skip
+        g, beta = kda_gate(linear(f_a, w_f), dt_bias, a_log, b, head_dim)
+        return g, beta, linear(g_a, w_g)
+    g = torch.empty(tokens, heads, head_dim, dtype=torch.float32, device=f_a.device)
+    beta = torch.empty(tokens, heads, dtype=torch.float32, device=f_a.device)
+    gate = torch.empty(tokens, channels, dtype=f_a.dtype, device=f_a.device)
+    C().kda_gate_proj(f_a.data_ptr(), g_a.data_ptr(), f_a.stride(0) if tokens > 1 else dim, b.data_ptr(),
+                      b.stride(0) if tokens > 1 else heads, tokens, w_f.data_ptr(), w_g.data_ptr(), channels, dim,
+                      dt_bias.contiguous().data_ptr(), a_log.contiguous().data_ptr(), heads, g.data_ptr(),
+                      beta.data_ptr(), gate.data_ptr(), dtype_code(f_a.dtype), stream_of(f_a.device))  # fmt: skip
+    return g, beta, gate
 
 
 # -- moe_route ----------------------------------------------------------------------
