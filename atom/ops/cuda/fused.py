@@ -165,7 +165,9 @@ def kda_gate_proj(f_a: torch.Tensor, g_a: torch.Tensor, b: torch.Tensor, w_f: to
     channels, dim = w_f.shape
     if (tokens > KDA_GATE_PROJ_MAX_TOKENS or not kernels_apply(f_a, g_a, b, w_f, w_g)
             or not all(t.dtype == f_a.dtype for t in (g_a, b, w_f, w_g, a_log)) or dt_bias.dtype != torch.float32
-            or w_g.shape != w_f.shape or not (w_f.is_contiguous() and w_g.is_contiguous())
+            or f_a.shape != (tokens, dim) or g_a.shape != f_a.shape or w_g.shape != w_f.shape
+            or channels != heads * head_dim or dt_bias.numel() != channels or a_log.numel() != heads
+            or not (w_f.is_contiguous() and w_g.is_contiguous())
             or f_a.stride() != g_a.stride() or f_a.stride(-1) != 1 or b.stride(-1) != 1):  # fmt: skip
         g, beta = kda_gate(linear(f_a, w_f), dt_bias, a_log, b, head_dim)
         return g, beta, linear(g_a, w_g)
