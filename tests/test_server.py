@@ -363,20 +363,25 @@ def test_forward_thread_runs_jobs_in_order_and_cancels_the_unstarted():
     assert running.done() and not running.cancelled() and queued.cancelled() and order == [1, 2]
 
 
-def test_interrupt_during_a_long_model_build_exits_at_once(tmp_path):
+@pytest.mark.parametrize("to_thread", [False, True], ids=["to-process", "to-building-thread"])
+def test_interrupt_during_a_long_model_build_exits_at_once(tmp_path, to_thread):
     """Ctrl-C while AsyncEngine builds its model (on the forward thread) ends the process at once, as it did
     when the build ran on the caller's thread: exit does not wait for the build. (Inside ``asyncio.run`` the
-    first Ctrl-C only cancels the main task, which a synchronous build does not see, then or now.)"""
+    first Ctrl-C only cancels the main task, which a synchronous build does not see, then or now.) The kernel
+    may hand a process's SIGINT to any of its threads; ``to-building-thread`` sends it to the building one,
+    where a main thread waiting on the build without a timeout never saw it until the build ended."""
     import signal
     import subprocess
     import sys
 
     script = tmp_path / "slow_build.py"
+    interrupt = "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n" if to_thread else ""
     script.write_text(
-        "import time\n"
+        "import signal, threading, time\n"
         "import atom.engine.async_engine as ae\n"
         "def slow_build(config):\n"
         "    print('building', flush=True)\n"
+        f"{interrupt}"
         "    time.sleep(60)\n"
         "ae.EngineCore = slow_build\n"
         "ae.AsyncEngine(None)\n"
@@ -384,7 +389,8 @@ def test_interrupt_during_a_long_model_build_exits_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "building"
-        proc.send_signal(signal.SIGINT)
+        if not to_thread:
+            proc.send_signal(signal.SIGINT)
         start = time.monotonic()
         proc.wait(timeout=20)
         assert time.monotonic() - start < 10

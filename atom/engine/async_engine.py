@@ -84,6 +84,18 @@ class ForwardThread(Executor):
             self._thread.join()
 
 
+def _result_interruptibly(future: Future, poll_s: float = 0.1) -> Any:
+    """``future.result()``, waking every ``poll_s``. Python raises a Ctrl-C in the main thread, but the kernel may
+    hand the signal to another thread (the one building the model): then a wait without a timeout holds the main
+    thread until the build ends, and only then raises the KeyboardInterrupt."""
+    while True:
+        try:
+            return future.result(timeout=poll_s)
+        except TimeoutError:
+            if future.done():  # the job itself raised TimeoutError
+                raise
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -94,7 +106,7 @@ class AsyncEngine:
         # took 4x longer with the model built on the loop's thread; GPU steps are not affected).
         build = self._executor.submit(EngineCore, config)
         try:
-            self.core = build.result()
+            self.core = _result_interruptibly(build)
         except BaseException:
             # A failed build has ended: join its thread. An interrupt leaves the build running; the thread is a
             # daemon, so the exit does not wait for it.
