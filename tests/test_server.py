@@ -339,6 +339,27 @@ async def test_engine_that_fails_to_build_raises_and_leaves_no_thread(tmp_path):
     assert not any(name.startswith("atom-forward") for name in left), left
 
 
+def test_a_slow_build_s_own_timeout_error_reaches_the_caller(monkeypatch):
+    """AsyncEngine waits on its build in short slices: a TimeoutError the build itself raises after several
+    slices reaches the caller as the build's error (not taken for a slice's end), and a build that takes several
+    slices gives its engine core."""
+    import types
+
+    import atom.engine.async_engine as ae
+
+    def timing_out(config):
+        time.sleep(0.35)
+        raise TimeoutError("the device did not answer")
+
+    monkeypatch.setattr(ae, "EngineCore", timing_out)
+    with pytest.raises(TimeoutError, match="did not answer"):
+        ae.AsyncEngine(None)
+    monkeypatch.setattr(ae, "EngineCore", lambda config: time.sleep(0.35) or "core")
+    engine = ae.AsyncEngine(types.SimpleNamespace(device="cpu"))
+    assert engine.core == "core"
+    engine._executor.shutdown(wait=True)
+
+
 def test_forward_thread_runs_jobs_in_order_and_cancels_the_unstarted():
     from atom.engine.async_engine import ForwardThread
 
@@ -378,6 +399,9 @@ def test_interrupt_during_a_long_model_build_exits_at_once(tmp_path, to_thread):
     interrupt = "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n" if to_thread else ""
     script.write_text(
         "import signal, threading, time\n"
+        # Ctrl-C's handler as in a terminal, whatever this test's runner was started with (a shell starts a
+        # background job with SIGINT ignored, and an ignored SIGINT stays ignored in every process it starts)
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import atom.engine.async_engine as ae\n"
         "def slow_build(config):\n"
         "    print('building', flush=True)\n"

@@ -92,8 +92,8 @@ def _result_interruptibly(future: Future, poll_s: float = 0.1) -> Any:
         try:
             return future.result(timeout=poll_s)
         except TimeoutError:
-            if future.done():  # the job itself raised TimeoutError
-                raise
+            if future.done():  # the job's own TimeoutError, or it ended just after the wait's timeout
+                return future.result()
 
 
 class AsyncEngine:
