@@ -146,6 +146,13 @@ __global__ void silu_mul_kernel(const T* x, int64_t x_stride, T* out, int64_t ou
 
 // ---- kda_gate ---------------------------------------------------------------------------------------------------
 
+// kda_gate's two formulas (also kda_gate_proj's): softplus as transformers writes it out (the identity above 20),
+// and beta = sigmoid(b) rounded to the model dtype.
+__device__ __forceinline__ float kda_softplus(float raw) { return raw > 20.f ? raw : logf(1.f + expf(raw)); }
+
+template <typename T>
+__device__ __forceinline__ float kda_beta(T b) { return round_to<T>(1.f / (1.f + expf(-to_float(b)))); }
+
 // A thread takes kN channels of one token (one 16-byte load of f when kN > 1: the head dim and f's rows
 // are multiples of kN) and writes their kN fp32 decays; then, past the decays, one beta a thread.
 template <typename T, int kN>
@@ -165,7 +172,7 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
         const float raw = to_float(fv.v[j]) + dt_bias[c + j];
-        out[j] = decay * (raw > 20.f ? raw : logf(1.f + expf(raw)));
+        out[j] = decay * kda_softplus(raw);
       }
       if constexpr (kN % 4 == 0) {
 #pragma unroll
@@ -177,8 +184,7 @@ __global__ void kda_gate_kernel(const T* f, int64_t f_stride, const float* dt_bi
       }
     } else {
       const int64_t j = i - n_g, t = j / heads, h = j % heads;
-      const float v = to_float(b[t * b_stride + h]);
-      beta[j] = round_to<T>(1.f / (1.f + expf(-v)));
+      beta[j] = kda_beta(b[t * b_stride + h]);
     }
   }
 }
@@ -211,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < valid * heads; i += kThreads) {
       const int64_t t = t0 + i / heads;
-      beta[t * heads + i % heads] = round_to<T>(1.f / (1.f + expf(-to_float(b[t * b_stride + i % heads]))));
+      beta[t * heads + i % heads] = kda_beta(b[t * b_stride + i % heads]);
     }
   }
   const int half = gridDim.x / 2;
@@ -260,7 +266,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = static_cast<int64_t>(t0 + t) * channels + row;
   if (decay) {  // kda_gate on the rounded projection
     const float raw = round_to<T>(mine) + dt_bias[row];
-    g[i] = -expf(to_float(a_log[row / (channels / heads)])) * (raw > 20.f ? raw : logf(1.f + expf(raw)));
+    g[i] = -expf(to_float(a_log[row / (channels / heads)])) * kda_softplus(raw);
   } else {
     gate[i] = from_float<T>(mine);
   }
