@@ -156,8 +156,8 @@ def bench_kda(C, batch: int, tokens: int = 1, heads: int = 32, dim: int = 128, p
         def run():
             C.kda_decode(q.data_ptr(), sb, st, k.data_ptr(), sb, st, v.data_ptr(), sb, st, g.data_ptr(),
                          beta.data_ptr(), pool.data_ptr(), pool.stride(0), slots.data_ptr(), slots.data_ptr(),
-                         per_token, 0, out.data_ptr(), batch, tokens, heads, dim, dim, dim**-0.5, 1e-6,
-                         dtype_code(bf16), stream())  # fmt: skip
+                         per_token, 0, out.data_ptr(), batch, tokens, heads, dim, dim, dim**-0.5, 1e-6, 0, 0, 0,
+                         0.0, dtype_code(bf16), stream())  # fmt: skip
 
         return run
 
@@ -287,8 +287,9 @@ def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> d
     out = torch.empty_like(x)
 
     def run():
-        C.conv1d_update(x.data_ptr(), pool.data_ptr(), pool.stride(0), w.data_ptr(), ids.data_ptr(), ids.data_ptr(),
-                        False, 0, out.data_ptr(), batch, 1, channels, width, dtype_code(bf16), stream())  # fmt: skip
+        C.conv1d_update(x.data_ptr(), channels, pool.data_ptr(), pool.stride(0), w.data_ptr(), ids.data_ptr(),
+                        ids.data_ptr(), False, 0, out.data_ptr(), batch, 1, channels, width, dtype_code(bf16),
+                        stream())  # fmt: skip
 
     moved = 2 * batch * channels * (width - 1) * 2 + (x.numel() + out.numel() + w.numel()) * 2
     return {"op": f"conv1d_update B={batch} C={channels} W={width}", "bytes": moved, "us": time_us(run)}

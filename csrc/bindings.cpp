@@ -53,18 +53,24 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v, int64_t v_sb,
          int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state, int64_t slot_stride, uintptr_t state_slots,
          uintptr_t out_slots, bool per_token, uintptr_t has_initial_state, uintptr_t out, int64_t batch,
-         int64_t tokens, int64_t heads, int64_t key_dim, int64_t value_dim, double scale, double eps, int dtype,
+         int64_t tokens, int64_t heads, int64_t key_dim, int64_t value_dim, double scale, double eps,
+         uintptr_t norm_gate, int64_t norm_gate_stride, uintptr_t norm_weight, double norm_eps, int dtype,
          uintptr_t stream) {
         check(atom::kda_decode(q, q_sb, q_st, k, k_sb, k_st, v, v_sb, v_st, g, beta, state, slot_stride, state_slots,
                                out_slots, per_token, has_initial_state, out, batch, tokens, heads, key_dim,
-                               value_dim, scale, eps, dtype, stream));
+                               value_dim, scale, eps, norm_gate, norm_gate_stride, norm_weight, norm_eps, dtype,
+                               stream));
       },
       "KDA decode step over the slot-indexed fp32 state, in place (see csrc/ops.h)", py::arg("q"), py::arg("q_sb"),
       py::arg("q_st"), py::arg("k"), py::arg("k_sb"), py::arg("k_st"), py::arg("v"), py::arg("v_sb"), py::arg("v_st"),
       py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("slot_stride"), py::arg("state_slots"),
       py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"),
       py::arg("heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("scale"), py::arg("eps"),
+      py::arg("norm_gate"), py::arg("norm_gate_stride"), py::arg("norm_weight"), py::arg("norm_eps"),
       py::arg("dtype"), py::arg("stream"));
+  m.def("kda_decode_fuses_norm", &atom::kda_decode_fuses_norm,
+        "whether kda_decode can fuse KDA's output norm for this state pool and shape", py::arg("state"),
+        py::arg("slot_stride"), py::arg("key_dim"), py::arg("value_dim"));
 
   m.def(
       "kda_prefill",
@@ -90,15 +96,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "conv1d_update",
-      [](uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight, uintptr_t state_slots,
-         uintptr_t out_slots, bool per_token, uintptr_t has_initial_state, uintptr_t out, int64_t batch,
-         int64_t tokens, int64_t channels, int64_t width, int dtype, uintptr_t stream) {
-        check(atom::conv1d_update(x, conv_state, slot_stride, weight, state_slots, out_slots, per_token,
+      [](uintptr_t x, int64_t x_stride, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight,
+         uintptr_t state_slots, uintptr_t out_slots, bool per_token, uintptr_t has_initial_state, uintptr_t out,
+         int64_t batch, int64_t tokens, int64_t channels, int64_t width, int dtype, uintptr_t stream) {
+        check(atom::conv1d_update(x, x_stride, conv_state, slot_stride, weight, state_slots, out_slots, per_token,
                                   has_initial_state, out, batch, tokens, channels, width, dtype, stream));
       },
       "depthwise causal conv1d + SiLU decode update over the slot-indexed conv state", py::arg("x"),
-      py::arg("conv_state"), py::arg("slot_stride"), py::arg("weight"), py::arg("state_slots"), py::arg("out_slots"),
-      py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"), py::arg("channels"),
+      py::arg("x_stride"), py::arg("conv_state"), py::arg("slot_stride"), py::arg("weight"), py::arg("state_slots"),
+      py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"), py::arg("channels"),
       py::arg("width"), py::arg("dtype"), py::arg("stream"));
 
   m.def(

@@ -23,6 +23,7 @@ namespace {
 
 struct ConvParams {
   const void* x;
+  int64_t x_stride;  // between token rows of x (b * tokens + t); out's rows are channels apart
   void* state;
   int64_t slot_stride;
   const void* weight;
@@ -63,14 +64,14 @@ __global__ void __launch_bounds__(kThreads) conv1d_update_kernel(ConvParams p) {
   for (int w = 0; w < W; ++w) wt[w] = to_float(weight[w]);
 
   for (int t = 0; t < p.tokens; ++t) {
-    const int64_t i = (b * p.tokens + t) * p.channels + c;
-    const float xt = to_float(x[i]);
+    const int64_t row = b * p.tokens + t;
+    const float xt = to_float(x[row * p.x_stride + c]);
     float acc = 0.f;
 #pragma unroll
     for (int w = 0; w < W - 1; ++w) acc = fmaf(wt[w], win[w], acc);
     acc = fmaf(wt[W - 1], xt, acc);
     const float y = round_to<T>(acc);
-    out[i] = from_float<T>(y / (1.f + expf(-y)));
+    out[row * p.channels + c] = from_float<T>(y / (1.f + expf(-y)));
 #pragma unroll
     for (int w = 0; w + 1 < W - 1; ++w) win[w] = win[w + 1];
     win[W - 2] = xt;
@@ -252,15 +253,16 @@ const char* launch_prefill(const ConvPrefillParams& p, const int64_t* out_slots,
 
 }  // namespace
 
-const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight,
-                          uintptr_t state_slots, uintptr_t out_slots, bool per_token, uintptr_t has_initial_state,
-                          uintptr_t out,
-                          int64_t batch, int64_t tokens, int64_t channels, int64_t width, int dtype,
-                          uintptr_t stream) {
+const char* conv1d_update(uintptr_t x, int64_t x_stride, uintptr_t conv_state, int64_t slot_stride,
+                          uintptr_t weight, uintptr_t state_slots, uintptr_t out_slots, bool per_token,
+                          uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens,
+                          int64_t channels, int64_t width, int dtype, uintptr_t stream) {
   if (batch < 0 || tokens < 1 || channels < 1) return "conv1d_update: needs batch >= 0, tokens >= 1, channels >= 1";
   if (batch > 65535 || tokens > INT32_MAX) return "conv1d_update: batch must be <= 65535";
   if (batch == 0) return nullptr;
+  if (x_stride < channels) return "conv1d_update: x's rows must be at least channels apart";
   ConvParams p{reinterpret_cast<const void*>(x),
+               x_stride,
                reinterpret_cast<void*>(conv_state),
                slot_stride,
                reinterpret_cast<const void*>(weight),

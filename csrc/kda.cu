@@ -48,6 +48,13 @@ struct KdaParams {
   void* out;
   int tokens, heads, key_dim, value_dim;
   float scale, eps;
+  // Optional output norm (the fast kernel, V = 128): out = gated_rmsnorm(o, gate, norm_weight, norm_eps)
+  // instead of o, as csrc/norm.cu computes it. gate: token row b * tokens + t at norm_gate_stride elements,
+  // its [heads, V] contiguous; norm_weight [V].
+  const void* norm_gate;
+  int64_t norm_gate_stride;
+  const void* norm_weight;
+  float norm_eps;
 };
 
 __device__ __forceinline__ float4 operator*(float4 a, float s) { return {a.x * s, a.y * s, a.z * s, a.w * s}; }
@@ -99,6 +106,27 @@ __device__ __forceinline__ void zero_outputs(const KdaParams& p, int b, int h) {
 }
 
 constexpr int kColsPerTile = 4 * kGroup;  // 128 columns: 32 lanes x float4
+
+// The fast kernel's optional output norm, by one warp holding a token's whole [V = 128] output (lane l: columns
+// 4l .. 4l + 3): o rounded to T as it would be stored, then gated_rmsnorm_kernel<T, 4>'s arithmetic for a
+// 128-wide row, which gives lane l the same columns. So the bits equal kda_decode's output through
+// gated_rmsnorm.
+template <typename T>
+__device__ __forceinline__ void store_gated_norm(const KdaParams& p, int64_t row, int h, int col, float4 o, T* op) {
+  const float x[4] = {round_to<T>(o.x), round_to<T>(o.y), round_to<T>(o.z), round_to<T>(o.w)};
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ss = fmaf(x[i], x[i], ss);
+  const float inv = rsqrtf(group_sum(ss) / p.value_dim + p.norm_eps);
+  const T* gate =
+      static_cast<const T*>(p.norm_gate) + row * p.norm_gate_stride + static_cast<int64_t>(h) * p.value_dim + col;
+  const T* weight = static_cast<const T*>(p.norm_weight) + col;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float sig = 1.f / (1.f + expf(-to_float(gate[i])));
+    op[i] = from_float<T>(to_float(weight[i]) * (x[i] * inv) * sig);
+  }
+}
 
 // grid (H, B, ceil(V / 128)), block NW * 32 threads.
 template <typename T, int K, int NW>
@@ -168,10 +196,14 @@ __global__ void __launch_bounds__(NW * 32, 16 / NW) kda_decode_fast_kernel(KdaPa
     if (warp == 0 && col_ok) {
       const float4 o = fma4(u, f.z, sum_c);
       T* op = static_cast<T*>(p.out) + tok_head * V + col;
-      op[0] = from_float<T>(o.x);
-      op[1] = from_float<T>(o.y);
-      op[2] = from_float<T>(o.z);
-      op[3] = from_float<T>(o.w);
+      if (p.norm_gate != nullptr) {
+        store_gated_norm<T>(p, b * p.tokens + t, h, col, o, op);
+      } else {
+        op[0] = from_float<T>(o.x);
+        op[1] = from_float<T>(o.y);
+        op[2] = from_float<T>(o.z);
+        op[3] = from_float<T>(o.w);
+      }
     }
     if (p.per_token || t == p.tokens - 1) {
       const int64_t base = p.out_slots[b];
@@ -246,12 +278,17 @@ const char* launch_fast(const KdaParams& p, int64_t batch, cudaStream_t stream) 
 
 }  // namespace
 
+bool kda_decode_fuses_norm(uintptr_t state, int64_t slot_stride, int64_t key_dim, int64_t value_dim) {
+  return state % 16 == 0 && slot_stride % 4 == 0 && (key_dim == 128 || key_dim == 64) && value_dim == kColsPerTile;
+}
+
 const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v,
                        int64_t v_sb, int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state,
                        int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, bool per_token,
-                       uintptr_t has_initial_state,
-                       uintptr_t out, int64_t batch, int64_t tokens, int64_t heads, int64_t key_dim,
-                       int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream) {
+                       uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads,
+                       int64_t key_dim, int64_t value_dim, double scale, double eps, uintptr_t norm_gate,
+                       int64_t norm_gate_stride, uintptr_t norm_weight, double norm_eps, int dtype,
+                       uintptr_t stream) {
   if (batch < 0 || tokens < 1 || heads < 1 || key_dim < 1 || value_dim < 1)
     return "kda_decode: needs batch >= 0 and tokens, heads, key_dim, value_dim >= 1";
   if (batch > 65535 || heads > 65535 || tokens > INT32_MAX) return "kda_decode: batch and heads must be <= 65535";
@@ -279,10 +316,19 @@ const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int
               static_cast<int>(key_dim),
               static_cast<int>(value_dim),
               static_cast<float>(scale),
-              static_cast<float>(eps)};
+              static_cast<float>(eps),
+              reinterpret_cast<const void*>(norm_gate),
+              norm_gate_stride,
+              reinterpret_cast<const void*>(norm_weight),
+              static_cast<float>(norm_eps)};
   cudaStream_t st = as_stream(stream);
   // The fast kernel moves float4 columns of S: every slot and row must start 16-byte aligned.
   const bool aligned = state % 16 == 0 && slot_stride % 4 == 0 && value_dim % 4 == 0;
+  if (norm_gate != 0 && !kda_decode_fuses_norm(state, slot_stride, key_dim, value_dim))
+    return "kda_decode: the fused output norm needs the fast kernel (key_dim 64 or 128, 16-byte aligned slots) "
+           "and value_dim 128";
+  if (norm_gate != 0 && (norm_weight == 0 || norm_gate_stride < heads * value_dim))
+    return "kda_decode: the fused output norm needs its weight and gate rows of heads * value_dim elements";
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "kda_decode", [&]() -> const char* {
     if (aligned && key_dim == 128) return launch_fast<scalar_t, 128, 8>(p, batch, st);
     if (aligned && key_dim == 64) return launch_fast<scalar_t, 64, 4>(p, batch, st);

@@ -51,11 +51,18 @@ const char* scatter_blocks(uintptr_t cache, int64_t block_stride, uintptr_t bloc
 // zero, no state touched (then out_slots[b] is not read; otherwise >= 0).
 // has_initial_state: 0, or a uint8 [batch] device array; 0 entries start
 // from a zero state instead of reading the slot.
+// norm_gate: 0, or KDA's output norm done in the kernel where kda_decode_fuses_norm says it can: out =
+// gated_rmsnorm(o, gate, norm_weight, norm_eps) (csrc/norm.cu), bit for bit. gate: `dtype`, token row
+// b * tokens + t at norm_gate_stride elements, its [heads, value_dim] contiguous; norm_weight [value_dim] `dtype`.
 const char* kda_decode(uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v,
                        int64_t v_sb, int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state,
                        int64_t slot_stride, uintptr_t state_slots, uintptr_t out_slots, bool per_token,
-                       uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads, int64_t key_dim,
-                       int64_t value_dim, double scale, double eps, int dtype, uintptr_t stream);
+                       uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens, int64_t heads,
+                       int64_t key_dim, int64_t value_dim, double scale, double eps, uintptr_t norm_gate,
+                       int64_t norm_gate_stride, uintptr_t norm_weight, double norm_eps, int dtype,
+                       uintptr_t stream);
+// Whether kda_decode can take norm_gate for this state pool and shape (its fast kernel, value_dim 128).
+bool kda_decode_fuses_norm(uintptr_t state, int64_t slot_stride, int64_t key_dim, int64_t value_dim);
 
 // ---- kda_prefill.cu: KDA prefill (chunked form) over varlen packed sequences, state in the slot pool.
 //
@@ -89,15 +96,14 @@ int64_t kda_prefill_workspace_floats(int64_t total_tokens, int64_t num_seqs, int
 
 // ---- conv1d.cu: depthwise causal conv1d (width 2..5) + SiLU for decode.
 //
-// x, out: [batch, tokens, channels] `dtype` contiguous; weight [channels,
-// width]; conv_state pool, slot s at conv_state + s * slot_stride elements,
-// each [channels, width - 1] (oldest input first), `dtype`. Slots and
+// x: [batch, tokens, channels] `dtype`, its token rows (b * tokens + t) x_stride >= channels elements apart,
+// each contiguous; out: the same shape, contiguous; weight [channels, width]; conv_state pool, slot s at
+// conv_state + s * slot_stride elements, each [channels, width - 1] (oldest input first), `dtype`. Slots and
 // has_initial_state as for kda_decode.
-const char* conv1d_update(uintptr_t x, uintptr_t conv_state, int64_t slot_stride, uintptr_t weight,
-                          uintptr_t state_slots, uintptr_t out_slots, bool per_token, uintptr_t has_initial_state,
-                          uintptr_t out,
-                          int64_t batch, int64_t tokens, int64_t channels, int64_t width, int dtype,
-                          uintptr_t stream);
+const char* conv1d_update(uintptr_t x, int64_t x_stride, uintptr_t conv_state, int64_t slot_stride,
+                          uintptr_t weight, uintptr_t state_slots, uintptr_t out_slots, bool per_token,
+                          uintptr_t has_initial_state, uintptr_t out, int64_t batch, int64_t tokens,
+                          int64_t channels, int64_t width, int dtype, uintptr_t stream);
 
 // conv1d_prefill: the same conv over packed sequences: sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1])
 // of x (row stride x_stride elements) and out ([rows, channels] contiguous); cu_seqlens int64 [num_seqs + 1].

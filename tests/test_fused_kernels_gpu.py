@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from atom.ops._C_loader import get_C
-from atom.ops.cuda import fused
-from tests.test_kernels_gpu import TOL, rel_err
+from atom.ops.cuda import fused, gated_rmsnorm, kda_decode
+from atom.ops.cuda import reference as reference_ops
+from tests.test_kernels_gpu import TOL, _poison, _rand, _slots, rel_err
 
 HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "moe_align")
 pytestmark = pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C with csrc/fused.cu")
@@ -391,3 +392,64 @@ def test_programmatic_launch_keeps_a_long_chain_in_order():
         C.set_programmatic_launch(initial)
     assert eager.isfinite().all() and eager.abs().max() > 0
     assert all(torch.equal(r, eager) for r in results)
+
+
+# ---- kda_decode with KDA's output norm (csrc/kda.cu) -----------------------------------------------------------
+
+# (B, T, H, K, V, slot mode, whether the kernel applies the norm)
+KDA_NORM_CASES = [
+    (1, 1, 32, 128, 128, "inplace", True),  # Kimi-Linear's decode at batch 1
+    (6, 1, 3, 64, 128, "moved", True),  # K = 64, a padding row, states to other slots
+    (4, 3, 2, 128, 128, "per_token", True),  # 1 + 2 speculative tokens, a state after each
+    (3, 1, 2, 128, 200, "inplace", False),  # V != 128: kda_decode, then gated_rmsnorm
+    (5, 2, 2, 48, 128, "moved", False),  # the generic kernel (K = 48)
+]
+
+
+def _kda_norm_inputs(B, T, H, K, V, mode, dtype):
+    torch.manual_seed(B * 100 + T * 10 + K + V)
+    cpu = [_rand(B, T, H, K, dtype=dtype), _rand(B, T, H, K, dtype=dtype), _rand(B, T, H, V, dtype=dtype),
+           -torch.rand(B, T, H, K) * 0.5, torch.rand(B, T, H)]  # fmt: skip
+    num_slots, ins, outs, per_token, read, written = _slots(B, T, mode, pad_row=B - 1 if B > 2 else None)
+    pool = _rand(num_slots, H, K, V, scale=0.1)
+    _poison(pool, read, written)
+    has_init = torch.rand(B) > 0.3
+    gate = _rand(B * T, H * V, dtype=dtype).view(B, T, H, V)  # the layer's [tokens, H * V] gate
+    weight = (1 + 0.1 * _rand(V)).to(dtype)
+    slots = dict(state_slots=ins, out_slots=outs, per_token=per_token, has_initial_state=has_init)
+    return cpu, pool, slots, gate, weight
+
+
+def _kda_decode_gpu(cpu, pool, slots, out_norm=None):
+    gpu = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in slots.items()}
+    norm = None if out_norm is None else (out_norm[0].cuda(), out_norm[1].cuda(), out_norm[2])
+    ins = gpu.pop("state_slots")
+    return kda_decode(*(t.cuda() for t in cpu), pool, ins, **gpu, out_norm=norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, H, K, V, mode, in_kernel", KDA_NORM_CASES)
+def test_kda_decode_with_the_output_norm(dtype, B, T, H, K, V, mode, in_kernel):
+    """out_norm gives gated_rmsnorm(kda_decode(...)) bit for bit and the same states, whether the kernel
+    applies it or it runs after; and matches the CPU reference within tolerance."""
+    cpu, pool, slots, gate, weight = _kda_norm_inputs(B, T, H, K, V, mode, dtype)
+    _poison_allocator()
+    pool_two, pool_one = pool.cuda(), pool.cuda()
+    two = gated_rmsnorm(_kda_decode_gpu(cpu, pool_two, slots), gate.cuda(), weight.cuda(), 1e-5)
+    one = _kda_decode_gpu(cpu, pool_one, slots, (gate, weight, 1e-5))
+    assert not one.isnan().any()
+    assert torch.equal(one, two)
+    assert torch.equal(pool_one.nan_to_num(7.0), pool_two.nan_to_num(7.0))
+    expected_pool = pool.clone()
+    o = reference_ops.kda_decode_ref(*cpu, expected_pool, slots["state_slots"], slots["out_slots"], slots["per_token"],
+                           slots["has_initial_state"])  # fmt: skip
+    assert rel_err(one, reference_ops.gated_rmsnorm_ref(o, gate, weight, 1e-5)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("B, T, H, K, V, mode, in_kernel", KDA_NORM_CASES)
+def test_kda_decode_runs_one_kernel_with_the_output_norm(B, T, H, K, V, mode, in_kernel):
+    """Where the kernel can apply the norm, kda_decode with out_norm is one launch; elsewhere two."""
+    cpu, pool, slots, gate, weight = _kda_norm_inputs(B, T, H, K, V, mode, torch.bfloat16)
+    names = _kernels_run(lambda: _kda_decode_gpu(cpu, pool.cuda(), slots, (gate, weight, 1e-5)))
+    assert any("kda_decode" in n for n in names)
+    assert any("gated_rmsnorm" in n for n in names) == (not in_kernel)

@@ -391,6 +391,27 @@ def test_conv1d_update(dtype, B, T, C, W, mode):
 
 
 @gpu
+@pytest.mark.parametrize("B, T", [(1, 1), (5, 1), (3, 2)])
+def test_conv1d_update_reads_a_column_slice_in_place(B, T):
+    """x as the layer passes it: a column slice of a wider projection's rows. The kernel reads it in
+    place (the columns around it are NaN) and gives the bits a contiguous copy gives."""
+    torch.manual_seed(B * 10 + T)
+    C, W, dtype = 100, 4, torch.bfloat16
+    wide = torch.full((B * T, C + 29), float("nan"), dtype=dtype)
+    wide[:, 13 : 13 + C] = _rand(B * T, C, dtype=dtype)
+    x = wide.cuda()[:, 13 : 13 + C].view(B, T, C)
+    weight = _rand(C, W, dtype=dtype).cuda()
+    pool = _rand(B, C, W - 1, dtype=dtype).cuda()
+    slots = torch.arange(B, device="cuda")
+    outs = []
+    for inputs in (x, x.contiguous()):
+        p = pool.clone()
+        outs.append((conv1d_update(inputs, p, weight, slots, per_token=False), p))
+    assert not outs[0][0].isnan().any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("W", [2, 4, 5])
 @pytest.mark.parametrize("lens, C, separate_out", [

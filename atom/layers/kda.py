@@ -17,7 +17,8 @@ new token.
 On a GPU with the ``atom._C`` kernels, decode rows (one token each) and
 speculative verification rows (1 + k tokens each, all the same length) run
 ``conv1d_update`` + ``kda_decode`` + ``gated_rmsnorm`` straight on the slot
-pools; prefill rows run ``conv1d_prefill`` and ``kda_prefill`` (chunked), both on
+pools (in a pure decode step ``kda_decode`` applies the output norm itself);
+prefill rows run ``conv1d_prefill`` and ``kda_prefill`` (chunked), both on
 the packed tokens, straight on the pools. Elsewhere (CPU,
 ``ATOM_FORCE_REFERENCE=1``) every group runs the reference.
 """
@@ -68,16 +69,15 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = linear(dim, hidden_size)
         # [3*H*K, W] q|k|v conv weights in one tensor, made by fuse_conv_weights() after loading
         self.register_buffer("conv_weight", None, persistent=False)
-        # the projections of x as two matmuls (stacked by fuse_conv_weights())
-        self.qkv = StackedLinears(self.q_proj, self.k_proj, self.v_proj)
-        self.gate_inputs = StackedLinears(self.f_a_proj, self.g_a_proj, self.b_proj)
+        # every projection of x as one matmul (stacked by fuse_conv_weights()): q|k|v, then the gates' inputs
+        self.in_proj = StackedLinears(self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
+                                      self.b_proj)  # fmt: skip
 
     @torch.no_grad()
     def fuse_conv_weights(self) -> None:
         """Stack the loaded q/k/v conv weights and the input projections once; the
         checkpoint's parameters become views into the stacks."""
-        self.qkv.stack()
-        self.gate_inputs.stack()
+        self.in_proj.stack()
         fused = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         self.conv_weight = fused
         dim = self.num_heads * self.head_dim
@@ -99,8 +99,9 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         md = get_forward_context().attn_metadata
         x = hidden_states
-        mixed = self.qkv(x)  # [T, 3*H*K] pre-conv
-        f_a, g_a, b = self.gate_inputs.split(x)
+        dim = self.num_heads * self.head_dim
+        # mixed [T, 3*H*K]: q|k|v before the conv, a column slice of the one matmul's rows
+        mixed, f_a, g_a, b = self.in_proj(x).split([3 * dim, self.head_dim, self.head_dim, self.num_heads], dim=-1)
         # decay g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias) [T, H, K] and beta = sigmoid(b(x)) [T, H], fp32;
         # the output gate g_b(g_a(x)) [T, H*K] (one kernel at decode sizes)
         g, beta, gate = kda_gate_proj(f_a, g_a, b, self.f_b_proj.weight, self.g_b_proj.weight, self.dt_bias,
@@ -109,12 +110,13 @@ class KimiDeltaAttention(nn.Module):
         continuing = md.has_initial_state
         fused = kernels_apply(x)
         apart = md.per_token_state_seqs
-        if fused and md.is_pure_decode and not apart:
-            # the whole step is one decode group: no split, no index tensors (CUDA-graph capturable)
-            out = self._recur_kernels(mixed, g, beta, (md.num_seqs, 1), None, per_token=False)
-        else:
-            out = self._recur_groups(mixed, g, beta, continuing, fused)
         gate = gate.unflatten(-1, (self.num_heads, self.head_dim))
+        if fused and md.is_pure_decode and not apart:
+            # the whole step is one decode group: no split, no index tensors (CUDA-graph capturable); the
+            # output norm runs in the decode kernel
+            normed = self._recur_kernels(mixed, g, beta, (md.num_seqs, 1), None, per_token=False, gate=gate)
+            return self.o_proj(normed.flatten(1))
+        out = self._recur_groups(mixed, g, beta, continuing, fused)
         if fused:
             return self.o_proj(gated_rmsnorm(out, gate, self.o_norm.weight, self.o_norm.eps).flatten(1))
         return self.o_proj(self.o_norm(out, gate).flatten(1))
@@ -141,14 +143,15 @@ class KimiDeltaAttention(nn.Module):
         return out
 
     def _recur_kernels(self, mixed, g, beta, shape: tuple[int, int], layout: PaddedLayout | None,
-                       per_token: bool) -> torch.Tensor:
+                       per_token: bool, gate: torch.Tensor | None = None) -> torch.Tensor:
         """``_recur`` for B sequences of T tokens each (decode: T = 1) through the CUDA kernels.
 
         The kernels read ``state_slots``, write ``state_out_slots`` (or, with
         ``per_token``, the state after token t to ``state_out_slots + t``) in place
         on the pools, and start fresh sequences from zeros. Returns [B*T, H, V]
-        in the model dtype. ``shape`` is (B, T); ``layout`` None: the group is the
-        step's whole batch, in order.
+        in the model dtype, through the output norm ``o_norm`` with ``gate`` [B*T, H, V]
+        if given. ``shape`` is (B, T); ``layout`` None: the group is the step's whole
+        batch, in order.
         """
         ctx = get_forward_context()
         conv_pool, state_pool = ctx.caches[self.layer_idx]
@@ -160,8 +163,10 @@ class KimiDeltaAttention(nn.Module):
         conv = conv1d_update(tokens(mixed).view(*shape, -1), conv_pool, self._conv_weight(), slots,
                              out_slots=out_slots, per_token=per_token, has_initial_state=keep)  # fmt: skip
         q, k, v = (t.unflatten(-1, (heads, dim)) for t in conv.split(heads * dim, dim=-1))
+        norm = None if gate is None else (tokens(gate).view(*shape, heads, dim), self.o_norm.weight, self.o_norm.eps)
         out = kda_decode(q, k, v, tokens(g).view(*shape, heads, dim), tokens(beta).view(*shape, heads), state_pool,
-                         slots, out_slots=out_slots, per_token=per_token, has_initial_state=keep)  # fmt: skip
+                         slots, out_slots=out_slots, per_token=per_token, has_initial_state=keep,
+                         out_norm=norm)  # fmt: skip
         return out.view(-1, heads, dim)
 
     def _prefill_kernel(self, mixed, g, beta, layout: PaddedLayout, whole: bool) -> torch.Tensor:

@@ -30,6 +30,8 @@ class StackedLinears:
     """
 
     def __init__(self, *linears: nn.Linear) -> None:
+        if len({lin.bias is None for lin in linears}) > 1:
+            raise ValueError("StackedLinears: the linears must all have a bias or all have none")
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
         self.weight: torch.Tensor | None = None

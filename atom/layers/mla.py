@@ -25,7 +25,7 @@ from torch import nn
 
 from atom.forward_context import get_forward_context
 from atom.layers.cache_spec import MLASpec
-from atom.layers.linear import Linear
+from atom.layers.linear import Linear, StackedLinears
 from atom.layers.norm import RMSNorm
 from atom.ops import cuda as kernels
 from atom.ops import split_decode_prefill
@@ -83,6 +83,21 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False, dtype=dtype)
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias, dtype=dtype)
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        # the query's (or q_a's) and kv_a's projections of x as one matmul (stacked by stack_projections()),
+        # where both or neither have a bias
+        q_in = self._q_in_proj
+        same_bias = (q_in.bias is None) == (self.kv_a_proj_with_mqa.bias is None)
+        self.x_proj = StackedLinears(q_in, self.kv_a_proj_with_mqa) if same_bias else None
+
+    @property
+    def _q_in_proj(self) -> Linear:
+        return self.q_proj if self.q_lora_rank is None else self.q_a_proj
+
+    @torch.no_grad()
+    def stack_projections(self) -> None:
+        """Stack the loaded projections of x once; their parameters become views into the stack."""
+        if self.x_proj is not None:
+            self.x_proj.stack()
 
     def cache_spec(self) -> MLASpec:
         return MLASpec(kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope_dim, dtype=self.dtype)
@@ -93,13 +108,17 @@ class MultiHeadLatentAttention(nn.Module):
         (latent_cache,) = ctx.caches[self.layer_idx]
 
         fused = kernels.kernels_apply(hidden_states) and md.max_query_len <= KERNEL_MAX_QUERY_LEN
-        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.x_proj is not None:
+            q_in, kv_a = self.x_proj.split(hidden_states)
+        else:
+            q_in, kv_a = self._q_in_proj(hidden_states), self.kv_a_proj_with_mqa(hidden_states)
+        latent, k_rot = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if fused:
             kernels.write_latent_cache(latent_cache, self.kv_a_layernorm(latent), k_rot, md.slot_mapping)
         else:
             write_latent_cache(latent_cache, torch.cat([self.kv_a_layernorm(latent), k_rot], dim=-1), md.slot_mapping)
 
-        q = self._query(hidden_states)  # [T, H, nope + rope]
+        q = self._query(q_in)  # [T, H, nope + rope]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w_kv.split([self.nope_dim, self.v_dim], dim=1)
@@ -133,10 +152,7 @@ class MultiHeadLatentAttention(nn.Module):
         return kernels.mla_decode(q_latent, q_rope, latent_cache, tables, md.token_seq_lens, self.scale,
                                   max_seq_len=md.max_seq_len, out_dtype=torch.float32)  # fmt: skip
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H, nope + rope], nope part first."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def _query(self, q_in: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope + rope], nope part first, from q_proj's output (or q_a_proj's)."""
+        q = q_in if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_in))
         return q.unflatten(-1, (self.num_heads, self.nope_dim + self.rope_dim))

@@ -322,3 +322,5 @@ class KimiLinearForCausalLM(nn.Module):
                 layer.mlp.gate_up.stack()
             if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.fuse_conv_weights()
+            elif isinstance(layer.self_attn, MultiHeadLatentAttention):
+                layer.self_attn.stack_projections()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda.norm import gated_rmsnorm
 from atom.ops.cuda.reference import conv1d_prefill_ref, conv1d_update_ref, kda_decode_ref
 
 
@@ -35,6 +36,7 @@ def kda_decode(
     scale: float | None = None,
     eps: float = 1e-6,
     out: torch.Tensor | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """One KDA decode step (T tokens per sequence), updating ``state_pool`` in place.
 
@@ -47,6 +49,11 @@ def kda_decode(
     bool [B] (False: start from zeros).
     Returns o [B, (T,) H, V] in v's dtype, written into ``out`` if given
     (contiguous; a static buffer for CUDA graphs).
+
+    out_norm (gate, weight, eps): returns KDA's output norm of o instead,
+    ``gated_rmsnorm(o, gate, weight, eps)``, gate shaped like o, weight [V].
+    On a GPU the kernel applies it before storing o where it can (the fast
+    kernel, V = 128), with the same bits; elsewhere it runs after.
     """
     squeeze = q.dim() == 3
     if squeeze:
@@ -60,6 +67,19 @@ def kda_decode(
         )
     check_state_pool("kda_decode", state_pool, heads, key_dim, value_dim)
     scale = key_dim**-0.5 if scale is None else scale
+    if out_norm is not None:
+        gate, norm_weight, norm_eps = out_norm
+        gate = gate.unsqueeze(1) if squeeze else gate
+        if gate.shape != v.shape or norm_weight.shape != (value_dim,):
+            raise ValueError(f"kda_decode: out_norm's gate must be shaped like o {tuple(v.shape)} and its weight "
+                             f"[{value_dim}]; got {tuple(gate.shape)} and {tuple(norm_weight.shape)}")  # fmt: skip
+    fuse_norm = (out_norm is not None and kernels_apply(q, k, v, g, beta, state_pool, state_slots, gate, norm_weight)
+                 and C().kda_decode_fuses_norm(state_pool.data_ptr(), state_pool.stride(0), key_dim, value_dim))
+    if out_norm is not None and not fuse_norm:
+        o = kda_decode(q, k, v, g, beta, state_pool, state_slots, out_slots=out_slots, per_token=per_token,
+                       has_initial_state=has_initial_state, scale=scale, eps=eps)
+        normed = gated_rmsnorm(o, gate, norm_weight, norm_eps, out=None if out is None else out.view(o.shape))
+        return out if out is not None else (normed.squeeze(1) if squeeze else normed)
     if not kernels_apply(q, k, v, g, beta, state_pool, state_slots):
         ref = kda_decode_ref(q, k, v, g, beta, state_pool, state_slots, out_slots, per_token, has_initial_state,
                              scale, eps)  # fmt: skip
@@ -67,6 +87,11 @@ def kda_decode(
 
     check_slots_contiguous("kda_decode", state_pool)
     dtype = v.dtype
+    norm_args = (0, 0, 0, 0.0)
+    if fuse_norm:
+        norm_gate, gate_stride = token_rows(token_major(gate.to(dtype)).flatten(2))
+        norm_weight = norm_weight.to(dtype).contiguous()
+        norm_args = (norm_gate.data_ptr(), gate_stride, norm_weight.data_ptr(), float(norm_eps))
     q, k = token_major(q.to(dtype)), token_major(k.to(dtype))
     v = token_major(v)
     g = g.float().contiguous()
@@ -80,7 +105,7 @@ def kda_decode(
             v.data_ptr(), v.stride(0), v.stride(1),
             g.data_ptr(), beta.data_ptr(), state_pool.data_ptr(), state_pool.stride(0),
             ins.data_ptr(), outs.data_ptr(), per_token, init.data_ptr() if init is not None else 0, result.data_ptr(),
-            batch, tokens, heads, key_dim, value_dim, float(scale), float(eps), dtype_code(dtype),
+            batch, tokens, heads, key_dim, value_dim, float(scale), float(eps), *norm_args, dtype_code(dtype),
             stream_of(v.device),
         )  # fmt: skip
     return out if out is not None else (result.squeeze(1) if squeeze else result)
@@ -119,13 +144,13 @@ def conv1d_update(
     if not conv_pool[0].is_contiguous():
         raise ValueError("conv1d_update: each slot of conv_pool must be one contiguous [C, W-1] block")
     dtype = conv_pool.dtype
-    x = x.to(dtype).contiguous()
+    x, row_stride = token_rows(x.to(dtype))  # a column slice of a wider projection's rows is read in place
     weight = weight.to(dtype).contiguous()
     ins, outs, init = slots_and_flags(state_slots, out_slots, has_initial_state, batch, x.device)
     result = output_buffer(out, tuple(x.shape), dtype, x.device)
     with device_guard(x.device):
         C().conv1d_update(
-            x.data_ptr(), conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(),
+            x.data_ptr(), row_stride, conv_pool.data_ptr(), conv_pool.stride(0), weight.data_ptr(), ins.data_ptr(),
             outs.data_ptr(), per_token, init.data_ptr() if init is not None else 0, result.data_ptr(), batch, tokens,
             channels, width, dtype_code(dtype), stream_of(x.device),
         )  # fmt: skip
@@ -211,6 +236,16 @@ def check_state_pool(op: str, state_pool: torch.Tensor, heads: int, key_dim: int
 def check_slots_contiguous(op: str, state_pool: torch.Tensor) -> None:
     if not state_pool[0].is_contiguous():
         raise ValueError(f"{op}: each slot of state_pool must be one contiguous [H, K, V] block")
+
+
+def token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [B, T, C] as B * T evenly spaced rows (row b * T + t), each contiguous: (x, or a contiguous copy
+    where its layout is not that, and the elements between rows, at least C)."""
+    batch, tokens, width = x.shape
+    stride = x.stride(1) if tokens > 1 else x.stride(0)
+    if x.stride(2) != 1 or (batch > 1 and x.stride(0) != tokens * stride) or (batch * tokens > 1 and stride < width):
+        return x.contiguous(), width
+    return x, max(stride, width)  # one row: its stride is never used
 
 
 def token_major(x: torch.Tensor) -> torch.Tensor:
