@@ -272,9 +272,9 @@ def test_moe_combine_expert_major(dtype, tokens, experts, top_k, dim):
 # (tokens, experts, top_k, dim, inter): the bench model (E=16, k=4) and Kimi-Linear's k=8; tokens sharing
 # experts (3 tokens of 4 experts, k=3); more picks than moe_gemv_down loads together (6, 9); one pick; an
 # intermediate size that leaves a warp's second row past the end (40, 8 in fp32 / 5 in bf16 vectors);
-# sizes no 16-byte vector divides (the element loops: dim 50, inter 37)
+# sizes no 16-byte vector divides (the element loops: dim 50, inter 37); more than 32 picks
 MOE_GEMV_SHAPES = [(1, 16, 4, 2304, 1024), (4, 32, 8, 2304, 1024), (3, 4, 3, 256, 40), (2, 12, 9, 128, 96),
-                   (5, 7, 6, 64, 48), (2, 5, 1, 64, 16), (5, 7, 3, 50, 37)]
+                   (5, 7, 6, 64, 48), (2, 5, 1, 64, 16), (5, 7, 3, 50, 37), (2, 40, 35, 64, 16)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])

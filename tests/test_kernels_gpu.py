@@ -657,9 +657,10 @@ def test_mla_decode_workspace_only_where_read():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_latent_cache(dtype):
+@pytest.mark.parametrize("R, P", [(512, 64), (37, 5), (600, 70)])  # Kimi-Linear's; odd; past one load batch
+def test_write_latent_cache(dtype, R, P):
     torch.manual_seed(5)
-    num_blocks, block_size, R, P, T = 6, 16, 512, 64, 9
+    num_blocks, block_size, T = 6, 16, 9
     cache = torch.full((num_blocks, block_size, R + P), float("nan"), dtype=dtype)
     kv = _rand(T, R + P + 3, dtype=dtype)  # latent and rope as strided views of one projection
     latent, rope = kv[:, :R], kv[:, R : R + P]
