@@ -27,7 +27,7 @@ from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, st
 # Tokens up to which a small matrix's linear runs the kernel (one token runs it for any matrix);
 # ATOM_GEMV_MAX_TOKENS overrides, 0 turns the kernel off.
 GEMV_MAX_TOKENS = int(os.environ.get("ATOM_GEMV_MAX_TOKENS", 4))
-GEMV_SMALL_WEIGHT = 1 << 21  # elements; the decode step's gate inputs, low-rank and kv_a projections
+GEMV_SMALL_WEIGHT = 1 << 21  # elements; the decode step's low-rank projections (KDA's f_b and g_b, MLA's LoRA)
 
 
 def use_kernel(tokens: int, weight: torch.Tensor) -> bool:
