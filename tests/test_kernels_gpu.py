@@ -20,6 +20,7 @@ from atom.ops._C_loader import get_C
 from atom.ops.cuda import (conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode,
                            write_latent_cache)
 from atom.ops.cuda import reference as ref
+from atom.ops.cuda.kda import token_rows
 from atom.ops.cuda.kda_prefill import FLA_HEAD_DIMS, fla_available, prefill_backend
 
 HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "kda_decode")
@@ -388,6 +389,22 @@ def test_conv1d_update(dtype, B, T, C, W, mode):
     # state values are copies of inputs: exact (NaN only where nothing was written)
     assert torch.equal(pool_gpu.cpu().nan_to_num(7.0), expected_pool.nan_to_num(7.0))
     assert not pool_gpu[sorted(written)].isnan().any()
+
+
+def test_token_rows_keeps_evenly_spaced_rows_and_copies_the_rest():
+    """token_rows (the row layout conv1d_update and kda_decode's output norm read): a column slice of a wider
+    tensor's rows is kept with its row stride; rows not evenly spaced, or not contiguous, are copied."""
+    wide = torch.arange(6 * 20.0).view(6, 20)
+    x, stride = token_rows(wide[:, 3:13].view(3, 2, 10))
+    assert stride == 20 and x.data_ptr() == wide[:, 3:].data_ptr()
+    uneven = torch.zeros(3, 30)[:, :20].view(3, 2, 10)  # batches 30 apart, tokens 10 apart
+    x, stride = token_rows(uneven)
+    assert stride == 10 and x.is_contiguous() and x.data_ptr() != uneven.data_ptr()
+    x, stride = token_rows(torch.zeros(4, 1, 20)[:, :, ::2])  # elements 2 apart
+    assert stride == 10 and x.is_contiguous()
+    one = wide[:1, 3:13].view(1, 1, 10)  # one row: kept, its stride never read (at least the width)
+    x, stride = token_rows(one)
+    assert x is one and stride >= 10
 
 
 @gpu

@@ -23,6 +23,7 @@ import atom.ops.mla
 from atom.config import EngineConfig
 from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context
 from atom.layers.cache_spec import MLASpec, RecurrentStateSpec
+from atom.layers.kda import KimiDeltaAttention
 from atom.models.loader import load_model
 from atom.ops.kda import CHUNKED_MIN_LEN, kda_chunked, kda_recurrent, l2norm
 
@@ -247,6 +248,26 @@ def test_cache_specs_follow_layer_types(variant):
     heads, dim, width = hf.config.linear_num_heads, hf.config.linear_head_dim, hf.config.linear_conv_kernel_dim
     assert kda.shapes == ((3 * heads * dim, width - 1), (heads, dim, dim))
     assert kda.dtypes == (torch.float32, torch.float32)
+
+
+def test_projections_of_x_are_one_matmul_after_loading(variant):
+    """After loading, each KDA layer's six projections of x, and each MLA layer's query (or q_a) and kv_a
+    projections, are views into one stacked weight (one matmul a layer); MLA keeps them apart when only one
+    of the two has a bias (the bias variant's q_proj has none, its kv_a has one)."""
+    hf, model, _ = variant
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if isinstance(attn, KimiDeltaAttention):
+            stacked, parts = attn.in_proj.weight, (attn.q_proj, attn.b_proj)
+        else:
+            q_in = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+            if (q_in.bias is None) != (attn.kv_a_proj_with_mqa.bias is None):
+                assert attn.x_proj is None and hf.config.attention_bias
+                continue
+            stacked, parts = attn.x_proj.weight, (q_in, attn.kv_a_proj_with_mqa)
+        assert stacked is not None
+        for lin in parts:
+            assert lin.weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
 
 
 def test_bfloat16_loads_and_runs(variant):
