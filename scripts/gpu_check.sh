@@ -12,6 +12,8 @@
 #                                               # tools, and the engine's GPU tests under memcheck (session
 #                                               # 24: 1-1.5 min a tool; the engine's over 4 min: more than a
 #                                               # 600 s device call holds with the tests before them)
+#   SANITIZE=engine SANITIZE_LIMIT=500 bash scripts/gpu_check.sh  # only the build and the engine's GPU tests
+#                                               # under memcheck (no other tests, no benchmarks)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}
@@ -34,13 +36,25 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD, log to $OUT/NAME.txt, note its 
 }
 stage build 240 python3 setup.py build_ext --inplace -j 16 || { tail -40 "$OUT/build.txt"; exit 1; }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+sanitize_engine() {  # the engine's GPU tests under memcheck, in two stages; the real-shape test (25 GB in fp32)
+  # is too slow there
+  stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
+    $PYTEST tests/test_gpu_engine.py -k "not real_shape"
+  stage sanitize_graph_buffers ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
+    $PYTEST tests/test_cuda_graph_buffers.py
+}
+if [ "${SANITIZE:-}" = engine ]; then
+  sanitize_engine
+  date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"
+  exit 0
+fi
 stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_mla_prefill.py \
   tests/test_build.py
 # fla's tests last (below): Triton autotunes fla's kernels afresh on each new machine, which can take minutes
 KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py tests/test_linear_gpu.py"
 stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST $KERNEL_TESTS -k "not fla"
 if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary line is the stage's last line)
-  CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck racecheck synccheck initcheck; do
     report=""; [ $tool = racecheck ] && report="--racecheck-report hazard"
     # which_linears and runs_one_kernel read the profiler, blind under a sanitizer. initcheck also leaves out the
@@ -51,12 +65,7 @@ if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary 
     stage "sanitize_$tool" ${SANITIZE_LIMIT:-300} "$CS" --tool $tool $report --error-exitcode 1 \
       $PYTEST $KERNEL_TESTS -k "$skip"
   done
-  # The engine's GPU tests under memcheck, in two stages (together they took over 240 s in session 24); the
-  # real-shape test (25 GB in fp32) is too slow here.
-  stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
-    $PYTEST tests/test_gpu_engine.py -k "not real_shape"
-  stage sanitize_graph_buffers ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
-    $PYTEST tests/test_cuda_graph_buffers.py
+  sanitize_engine  # together over 240 s in session 24
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 # 128 new tokens: eight 16-step rounds, so the rounds' edges (first and last) weigh little in the figure
