@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(kRowsPerBlock * kGroup)
   const int lane = threadIdx.x % kGroup;
   unsigned key[kMaxExpertsPerLane], id[kMaxExpertsPerLane];
   float score[kMaxExpertsPerLane], logit[kMaxExpertsPerLane], shift[kMaxExpertsPerLane];
-  // Every load first, none behind a branch: issued together, they wait for one memory round trip, not one each
+  // Every load first, none behind a per-expert branch: issued together, they wait for one round trip, not one each
   // (loaded under `e < experts`, one after another, they cost 2.3 us more at 256 experts than at 32; session 26).
 #pragma unroll
   for (int j = 0; j < kMaxExpertsPerLane; ++j) {
