@@ -109,23 +109,20 @@ constexpr int kColsPerTile = 4 * kGroup;  // 128 columns: 32 lanes x float4
 
 // The fast kernel's optional output norm, by one warp holding a token's whole [V = 128] output (lane l: columns
 // 4l .. 4l + 3): o rounded to T as it would be stored, then gated_rmsnorm_kernel<T, 4>'s arithmetic for a
-// 128-wide row, which gives lane l the same columns. So the bits equal kda_decode's output through
-// gated_rmsnorm.
+// 128-wide row (the same lane split, and kernel_common.h's gated_norm_* helpers). So the bits equal kda_decode's
+// output through gated_rmsnorm.
 template <typename T>
 __device__ __forceinline__ void store_gated_norm(const KdaParams& p, int64_t row, int h, int col, float4 o, T* op) {
   const float x[4] = {round_to<T>(o.x), round_to<T>(o.y), round_to<T>(o.z), round_to<T>(o.w)};
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) ss = fmaf(x[i], x[i], ss);
-  const float inv = rsqrtf(group_sum(ss) / p.value_dim + p.norm_eps);
+  const float inv = gated_norm_inv(ss, p.value_dim, p.norm_eps);
   const T* gate =
       static_cast<const T*>(p.norm_gate) + row * p.norm_gate_stride + static_cast<int64_t>(h) * p.value_dim + col;
   const T* weight = static_cast<const T*>(p.norm_weight) + col;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float sig = 1.f / (1.f + expf(-to_float(gate[i])));
-    op[i] = from_float<T>(to_float(weight[i]) * (x[i] * inv) * sig);
-  }
+  for (int i = 0; i < 4; ++i) op[i] = gated_norm_value<T>(x[i], inv, to_float(weight[i]), to_float(gate[i]));
 }
 
 // grid (H, B, ceil(V / 128)), block NW * 32 threads.

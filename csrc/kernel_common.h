@@ -84,6 +84,19 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
+// KDA's gated RMSNorm of one row, for gated_rmsnorm (csrc/norm.cu) and kda_decode's fused form (csrc/kda.cu),
+// which must give the same bits: 1 / rms from the lanes' sums of squares, then one output element,
+// weight * (x * inv) * sigmoid(gate) in fp32, rounded once.
+__device__ __forceinline__ float gated_norm_inv(float lane_sum_sq, int dim, float eps) {
+  return rsqrtf(group_sum(lane_sum_sq) / dim + eps);
+}
+
+template <typename T>
+__device__ __forceinline__ T gated_norm_value(float x, float inv, float weight, float gate) {
+  const float sig = 1.f / (1.f + expf(-gate));
+  return from_float<T>(weight * (x * inv) * sig);
+}
+
 __device__ __forceinline__ float group_max(float v) {
 #pragma unroll
   for (int off = kGroup / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off, kGroup));

@@ -62,16 +62,13 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) gated_rmsnorm_kernel(NormP
 #pragma unroll
     for (int i = 0; i < N; ++i) ss = fmaf(to_float(a.v[i]), to_float(a.v[i]), ss);
   }
-  const float inv = rsqrtf(group_sum(ss) / p.dim + p.eps);
+  const float inv = gated_norm_inv(ss, p.dim, p.eps);
   auto emit = [&](int d, const V& a) {
     const V g = *reinterpret_cast<const V*>(gate + d);
     const V w = *reinterpret_cast<const V*>(weight + d);
     V o;
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float sig = 1.f / (1.f + expf(-to_float(g.v[i])));
-      o.v[i] = from_float<T>(to_float(w.v[i]) * (to_float(a.v[i]) * inv) * sig);
-    }
+    for (int i = 0; i < N; ++i) o.v[i] = gated_norm_value<T>(to_float(a.v[i]), inv, to_float(w.v[i]), to_float(g.v[i]));
     *reinterpret_cast<V*>(out + d) = o;
   };
 #pragma unroll
