@@ -37,12 +37,11 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD, log to $OUT/NAME.txt, note its 
 stage build 240 python3 setup.py build_ext --inplace -j 16 || { tail -40 "$OUT/build.txt"; exit 1; }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-sanitize_engine() {  # the engine's GPU tests under memcheck, in two stages; the real-shape test (25 GB in fp32)
-  # is too slow there
+sanitize_engine() {  # the engine's GPU tests under memcheck. Left out: the real-shape test (25 GB in fp32, too slow
+  # there) and the test that times the stream against the host (a sanitized step is too slow for it: session 27).
+  # tests/test_cuda_graph_buffers.py runs on the CPU: it makes no CUDA call for a sanitizer to watch.
   stage sanitize_engine ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
-    $PYTEST tests/test_gpu_engine.py -k "not real_shape"
-  stage sanitize_graph_buffers ${SANITIZE_LIMIT:-300} "$CS" --tool memcheck --error-exitcode 1 \
-    $PYTEST tests/test_cuda_graph_buffers.py
+    $PYTEST tests/test_gpu_engine.py -k "not real_shape and not do_not_wait_for_the_stream"
 }
 if [ "${SANITIZE:-}" = engine ]; then
   sanitize_engine
