@@ -206,7 +206,7 @@ def main() -> None:
                    help="bench/decode_gpu.py's model shapes; 48b: Kimi-Linear-48B-A3B's, random weights")
     p.add_argument("--ckpt", help="model folder (default: /tmp/atom_kimi_1p3b, /tmp/atom_kimi_48b)")
     p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--top", type=int, default=14)
     args = p.parse_args()
     from bench.decode_gpu import make_model, model_config

@@ -202,6 +202,7 @@ constexpr int kProjRows = 2;  // rows a 16-lane group
 constexpr int kProjRowsPerBlock = kThreads / kProjLanes * kProjRows;
 constexpr int kProjMaxTokens = 8;  // tokens a block; a lane of the 16 finishes each (row, token) pair
 static_assert(kProjRows * kProjMaxTokens <= kProjLanes, "kda_gate_proj: more pairs than lanes");
+constexpr int kPrefetchLoads = 2;  // loads of each row a lane asks L2 for before pdl_enter (the layer's rows: 1)
 
 template <typename T, int kN, int kTokens>  // kTokens <= kProjMaxTokens
 __global__ void __launch_bounds__(kThreads)
@@ -210,16 +211,9 @@ __global__ void __launch_bounds__(kThreads)
                          const T* __restrict__ w_g, int channels, int dim, const float* __restrict__ dt_bias,
                          const T* __restrict__ a_log, int heads, float* __restrict__ g, float* __restrict__ beta,
                          T* __restrict__ gate) {
-  pdl_enter();
   using V = Pack<T, kN>;
   const int t0 = blockIdx.y * kTokens;  // this block's tokens; those past `tokens` repeat the last, not written
   const int valid = min(kTokens, tokens - t0);
-  if (blockIdx.x == 0) {
-    for (int i = threadIdx.x; i < valid * heads; i += kThreads) {
-      const int64_t t = t0 + i / heads;
-      beta[t * heads + i % heads] = kda_beta(b[t * b_stride + i % heads]);
-    }
-  }
   const int half = gridDim.x / 2;
   const bool decay = blockIdx.x < half;  // W_f's rows: their sums become g; W_g's become the gate
   const int lane = threadIdx.x % kProjLanes;
@@ -232,11 +226,22 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < kProjRows; ++r) {  // a row past the end repeats the last, and is not written
     wr[r] = reinterpret_cast<const V*>(w + static_cast<int64_t>(min(row0 + r, channels - 1)) * dim);
   }
+  const int vecs = dim / kN;
+  for (int c = lane; c < vecs && c < kProjLanes * kPrefetchLoads; c += kProjLanes) {  // before the wait: prefetch_l2
+#pragma unroll
+    for (int r = 0; r < kProjRows; ++r) prefetch_l2(wr[r] + c);
+  }
+  pdl_enter();
+  if (blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < valid * heads; i += kThreads) {
+      const int64_t t = t0 + i / heads;
+      beta[t * heads + i % heads] = kda_beta(b[t * b_stride + i % heads]);
+    }
+  }
   const V* xr[kTokens];
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) xr[t] = reinterpret_cast<const V*>(x + (t0 + min(t, valid - 1)) * x_stride);
   float acc[kProjRows][kTokens] = {};
-  const int vecs = dim / kN;
   for (int c = lane; c < vecs; c += kProjLanes) {
     V wv[kProjRows];
 #pragma unroll
@@ -288,7 +293,6 @@ template <typename T>
 __global__ void __launch_bounds__(kRouterThreads)
     router_logits_per_token_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                                    float* __restrict__ logits, int experts, int dim, int split, bool vec) {
-  pdl_enter();
   constexpr int kRouterBatch = sizeof(T) == 4 ? 4 : 5;
   __shared__ float partial[kRouterThreads / kGroup];
   const int64_t t = blockIdx.x;
@@ -296,6 +300,11 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int group = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
   const int per_round = blockDim.x / kGroup / split;  // experts summed at once
   const int part = group % split, lanes = split * kGroup, l = part * kGroup + lane;
+  if (vec && group / split < min(per_round, experts)) {  // the first round's weight lines, before the wait
+    const float4* we = reinterpret_cast<const float4*>(w + static_cast<int64_t>(group / split) * dim);
+    for (int i = l, c = 0; i < dim / 4 && c < kRouterBatch; i += lanes, ++c) prefetch_l2(we + i);
+  }
+  pdl_enter();
   for (int e0 = 0; e0 < experts; e0 += per_round) {  // the same trip count in every group (syncs inside)
     const int e = e0 + group / split;
     float acc = 0.f;
@@ -374,7 +383,6 @@ template <typename T>
 __global__ void __launch_bounds__(kRouterGroups * kGroup)
     router_logits_spread_kernel(const T* __restrict__ x, int64_t x_stride, const float* __restrict__ w,
                                 float* __restrict__ logits, int64_t tokens, int experts, int dim, bool vec) {
-  pdl_enter();
   __shared__ float partial[kRouterGroups][kGroup];
   const int e0 = blockIdx.x * kRouterRows;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * kRouterTokens;
@@ -383,6 +391,12 @@ __global__ void __launch_bounds__(kRouterGroups * kGroup)
   const T* xr = x + t0 * x_stride;
   const float* wr = w + static_cast<int64_t>(e0) * dim;
   constexpr int kStep = kRouterGroups * kGroup;
+  if (vec) {  // the first weight loads' lines, before the wait (prefetch_l2)
+    for (int i = threadIdx.x, c = 0; i < dim / 4 && c < kRouterLoads; i += kStep, ++c) {
+      for (int r = 0; r < rows; ++r) prefetch_l2(wr + static_cast<int64_t>(r) * dim + 4 * i);
+    }
+  }
+  pdl_enter();
   float acc[kRouterRows * kRouterTokens] = {};  // [row][token]
   if (vec) {
     using X4 = Pack<T, 4>;

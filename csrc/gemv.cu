@@ -33,6 +33,7 @@ constexpr int kMaxTokens = 8;  // tokens a launch computes; more run as several 
 // matrices fastest at one token (GPU_NOTES.md, session 22).
 constexpr int kRows = 2;
 constexpr int kBatch = 2;
+constexpr int kPrefetchBatches = 1;  // batches of weight vectors a lane asks L2 for before pdl_enter
 
 // kTokens tokens (tokens past `tokens` repeat the last and are not written) and kRows rows a warp; kN
 // elements a load (a 16-byte vector, or one where rows or strides do not allow vectors).
@@ -40,7 +41,6 @@ template <typename T, int kN, int kTokens>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const T* __restrict__ x, int64_t x_stride, int tokens, const T* __restrict__ w, int rows, int dim,
                 const T* __restrict__ bias, T* __restrict__ out, int64_t out_stride, int k_split) {
-  pdl_enter();
   using V = Pack<T, kN>;
   __shared__ float part[kWarps][kRows][kTokens];  // each warp's sums, added in warp order below
   const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
@@ -57,8 +57,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) xr[t] = reinterpret_cast<const V*>(x + min(t, tokens - 1) * x_stride);
 
-  float acc[kRows][kTokens] = {};
   const int vecs = dim / kN, step = kGroup * k_split;
+  // The lines of the first weight loads, before the wait (prefetch_l2).
+  for (int c = slice * kGroup + lane, n = 0; c < vecs && n < kBatch * kPrefetchBatches; c += step, ++n) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) prefetch_l2(wr[r] + c);
+  }
+  pdl_enter();
+
+  float acc[kRows][kTokens] = {};
   for (int c0 = slice * kGroup + lane; c0 < vecs; c0 += step * kBatch) {
     V wv[kBatch][kRows];
 #pragma unroll

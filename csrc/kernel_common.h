@@ -50,13 +50,26 @@ __device__ __forceinline__ T* dynamic_shared() {
 
 constexpr int kGroup = 32;  // threads per reduction group ("warp")
 
-// The first statement of every kernel started by launch_kernel (portability.h): wait until the kernel before
-// it in the stream has finished and its writes are visible, then let the kernel after it be scheduled. A
-// no-op for a kernel launched without the attribute, and outside sm_90+.
+// The first statement of every kernel started by launch_kernel (portability.h), before any read: wait until the
+// kernel before it in the stream has finished and its writes are visible, then let the kernel after it be
+// scheduled. A no-op for a kernel launched without the attribute, and outside sm_90+. Only prefetch_l2 may
+// come before it.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Asks L2 for the line that holds p. A hint: nothing comes back to the thread, so it cannot read a value that
+// the kernel before has yet to write. The linears issue it for their first weight vectors before pdl_enter,
+// so the weights' trip from memory overlaps the kernel before, and the loads after the wait find them in L2.
+// A no-op on ROCm.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
 #endif
 }
 

@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(kUpThreads)
     moe_gemv_up_kernel(const T* __restrict__ x, int64_t x_stride, const int64_t* __restrict__ ids, int64_t pairs,
                        int top_k, const T* __restrict__ w, int64_t expert_stride, int routed_inter,
                        const T* __restrict__ shared_w, int shared_inter, T* __restrict__ act, int dim) {
-  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t p = blockIdx.x;  // blocks past the pairs: the shared expert on token p - pairs
   const bool shared = p >= pairs;
@@ -57,6 +56,18 @@ __global__ void __launch_bounds__(kUpThreads)
   const int lane = threadIdx.x % kGroup;
   const int row0 = (blockIdx.y * kUpWarps + threadIdx.x / kGroup) * kUpRows;
   if (row0 >= inter) return;
+  if (shared) {  // the shared expert's first weight loads' lines, before the wait (prefetch_l2); a routed
+                 // expert's rows are known only from ids, which the kernels before write
+    for (int c = lane, n = 0; c < dim / kN && n < kUpBatch; c += kGroup, ++n) {
+#pragma unroll
+      for (int r = 0; r < kUpRows; ++r) {
+        const int64_t row = min(row0 + r, inter - 1);
+        prefetch_l2(reinterpret_cast<const V*>(shared_w + row * dim) + c);
+        prefetch_l2(reinterpret_cast<const V*>(shared_w + (inter + row) * dim) + c);
+      }
+    }
+  }
+  pdl_enter();
   const V* xr = reinterpret_cast<const V*>(x + (shared ? p - pairs : p / top_k) * x_stride);
   const T* we = shared ? shared_w : w + ids[p] * expert_stride;
   T* out = shared ? act + pairs * routed_inter + (p - pairs) * shared_inter : act + p * routed_inter;
@@ -133,12 +144,18 @@ __global__ void __launch_bounds__(kThreads)
                          int top_k, const T* __restrict__ w, int64_t expert_stride, int inter,
                          const T* __restrict__ shared_act, const T* __restrict__ shared_w, int shared_inter,
                          const T* __restrict__ addend, T* __restrict__ out, int dim) {
-  pdl_enter();
   using V = Pack<T, kN>;
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x % kGroup;
   const int row = blockIdx.y * kWarps + threadIdx.x / kGroup;
   if (row >= dim) return;
+  // The shared expert's first weight loads' lines, before the wait (prefetch_l2); a routed expert's rows are
+  // known only from ids, which the kernels before write.
+  const V* shared_row = reinterpret_cast<const V*>(shared_w + static_cast<int64_t>(row) * shared_inter);
+  if (shared_w != nullptr) {
+    for (int c = lane, n = 0; c < shared_inter / kN && n < kDownBatch; c += kGroup, ++n) prefetch_l2(shared_row + c);
+  }
+  pdl_enter();
   float acc = 0.f;
   for (int j0 = 0; j0 < top_k; j0 += kDownPicks) {
     const V* a[kDownPicks];
@@ -160,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = t * dim + row;
   if (shared_w != nullptr) {  // the shared expert's output row: the addend
     const V* a[1] = {reinterpret_cast<const V*>(shared_act + t * shared_inter)};
-    const V* wr[1] = {reinterpret_cast<const V*>(shared_w + static_cast<int64_t>(row) * shared_inter)};
+    const V* wr[1] = {shared_row};
     float part[1] = {};
     row_dots<T, kN, 1>(a, wr, shared_inter / kN, lane, part);
     const float s = round_to<T>(group_sum(part[0]));
