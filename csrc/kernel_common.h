@@ -50,10 +50,11 @@ __device__ __forceinline__ T* dynamic_shared() {
 
 constexpr int kGroup = 32;  // threads per reduction group ("warp")
 
-// The first statement of every kernel started by launch_kernel (portability.h), before any read: wait until the
-// kernel before it in the stream has finished and its writes are visible, then let the kernel after it be
-// scheduled. A no-op for a kernel launched without the attribute, and outside sm_90+. Only prefetch_l2 may
-// come before it.
+// The first statement of every kernel started by launch_kernel (portability.h): wait until the kernel before it
+// in the stream has finished and its writes are visible, then let the kernel after it be scheduled. A no-op for
+// a kernel launched without the attribute, and outside sm_90+. Only prefetch_l2 may come before it: no read, no
+// write and no return (a grid whose threads all returned first could finish before the kernel before it, and
+// let the kernel after it read that one's outputs early).
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -55,9 +55,9 @@ __global__ void __launch_bounds__(kUpThreads)
   const int inter = shared ? shared_inter : routed_inter;
   const int lane = threadIdx.x % kGroup;
   const int row0 = (blockIdx.y * kUpWarps + threadIdx.x / kGroup) * kUpRows;
-  if (row0 >= inter) return;
-  if (shared) {  // the shared expert's first weight loads' lines, before the wait (prefetch_l2); a routed
-                 // expert's rows are known only from ids, which the kernels before write
+  if (shared && row0 < inter) {  // the shared expert's first weight loads' lines, before the wait
+                                 // (prefetch_l2); a routed expert's rows come from ids, which the kernels
+                                 // before write
     for (int c = lane, n = 0; c < dim / kN && n < kUpBatch; c += kGroup, ++n) {
 #pragma unroll
       for (int r = 0; r < kUpRows; ++r) {
@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(kUpThreads)
     }
   }
   pdl_enter();
+  if (row0 >= inter) return;
   const V* xr = reinterpret_cast<const V*>(x + (shared ? p - pairs : p / top_k) * x_stride);
   const T* we = shared ? shared_w : w + ids[p] * expert_stride;
   T* out = shared ? act + pairs * routed_inter + (p - pairs) * shared_inter : act + p * routed_inter;
@@ -148,14 +149,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x % kGroup;
   const int row = blockIdx.y * kWarps + threadIdx.x / kGroup;
-  if (row >= dim) return;
-  // The shared expert's first weight loads' lines, before the wait (prefetch_l2); a routed expert's rows are
-  // known only from ids, which the kernels before write.
+  // The shared expert's first weight loads' lines, before the wait (prefetch_l2); a routed expert's rows come
+  // from ids, which the kernels before write.
   const V* shared_row = reinterpret_cast<const V*>(shared_w + static_cast<int64_t>(row) * shared_inter);
-  if (shared_w != nullptr) {
+  if (shared_w != nullptr && row < dim) {
     for (int c = lane, n = 0; c < shared_inter / kN && n < kDownBatch; c += kGroup, ++n) prefetch_l2(shared_row + c);
   }
   pdl_enter();
+  if (row >= dim) return;
   float acc = 0.f;
   for (int j0 = 0; j0 < top_k; j0 += kDownPicks) {
     const V* a[kDownPicks];
