@@ -227,10 +227,7 @@ __global__ void __launch_bounds__(kThreads)
     wr[r] = reinterpret_cast<const V*>(w + static_cast<int64_t>(min(row0 + r, channels - 1)) * dim);
   }
   const int vecs = dim / kN;
-  for (int c = lane; c < vecs && c < kProjLanes * kPrefetchLoads; c += kProjLanes) {  // before the wait: prefetch_l2
-#pragma unroll
-    for (int r = 0; r < kProjRows; ++r) prefetch_l2(wr[r] + c);
-  }
+  prefetch_rows_l2(wr, lane, vecs, kProjLanes, kPrefetchLoads);  // the first weight loads' lines, before the wait
   pdl_enter();
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < valid * heads; i += kThreads) {
@@ -301,8 +298,8 @@ __global__ void __launch_bounds__(kRouterThreads)
   const int per_round = blockDim.x / kGroup / split;  // experts summed at once
   const int part = group % split, lanes = split * kGroup, l = part * kGroup + lane;
   if (vec && group / split < min(per_round, experts)) {  // the first round's weight lines, before the wait
-    const float4* we = reinterpret_cast<const float4*>(w + static_cast<int64_t>(group / split) * dim);
-    for (int i = l, c = 0; i < dim / 4 && c < kRouterBatch; i += lanes, ++c) prefetch_l2(we + i);
+    const float4* we[1] = {reinterpret_cast<const float4*>(w + static_cast<int64_t>(group / split) * dim)};
+    prefetch_rows_l2(we, l, dim / 4, lanes, kRouterBatch);
   }
   pdl_enter();
   for (int e0 = 0; e0 < experts; e0 += per_round) {  // the same trip count in every group (syncs inside)
@@ -391,10 +388,13 @@ __global__ void __launch_bounds__(kRouterGroups * kGroup)
   const T* xr = x + t0 * x_stride;
   const float* wr = w + static_cast<int64_t>(e0) * dim;
   constexpr int kStep = kRouterGroups * kGroup;
-  if (vec) {  // the first weight loads' lines, before the wait (prefetch_l2)
-    for (int i = threadIdx.x, c = 0; i < dim / 4 && c < kRouterLoads; i += kStep, ++c) {
-      for (int r = 0; r < rows; ++r) prefetch_l2(wr + static_cast<int64_t>(r) * dim + 4 * i);
+  if (vec) {  // the first weight loads' lines, before the wait (prefetch_l2); rows past `rows` repeat the last
+    const float4* w4[kRouterRows];
+#pragma unroll
+    for (int r = 0; r < kRouterRows; ++r) {
+      w4[r] = reinterpret_cast<const float4*>(wr + static_cast<int64_t>(min(r, rows - 1)) * dim);
     }
+    prefetch_rows_l2(w4, threadIdx.x, dim / 4, kStep, kRouterLoads);
   }
   pdl_enter();
   float acc[kRouterRows * kRouterTokens] = {};  // [row][token]

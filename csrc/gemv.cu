@@ -58,11 +58,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int t = 0; t < kTokens; ++t) xr[t] = reinterpret_cast<const V*>(x + min(t, tokens - 1) * x_stride);
 
   const int vecs = dim / kN, step = kGroup * k_split;
-  // The lines of the first weight loads, before the wait (prefetch_l2).
-  for (int c = slice * kGroup + lane, n = 0; c < vecs && n < kBatch * kPrefetchBatches; c += step, ++n) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) prefetch_l2(wr[r] + c);
-  }
+  prefetch_rows_l2(wr, slice * kGroup + lane, vecs, step, kBatch * kPrefetchBatches);  // before the wait
   pdl_enter();
 
   float acc[kRows][kTokens] = {};

@@ -74,6 +74,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 #endif
 }
 
+// prefetch_l2 of vectors first, first + step, ... (at most count of them, all below end) of each of the rows.
+template <int kRows, typename V>
+__device__ __forceinline__ void prefetch_rows_l2(const V* const (&rows)[kRows], int first, int end, int step,
+                                                 int count) {
+  for (int c = first, n = 0; c < end && n < count; c += step, ++n) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) prefetch_l2(rows[r] + c);
+  }
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16_t x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(fp16_t x) { return __half2float(x); }

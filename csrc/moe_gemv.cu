@@ -58,14 +58,14 @@ __global__ void __launch_bounds__(kUpThreads)
   if (shared && row0 < inter) {  // the shared expert's first weight loads' lines, before the wait
                                  // (prefetch_l2); a routed expert's rows come from ids, which the kernels
                                  // before write
-    for (int c = lane, n = 0; c < dim / kN && n < kUpBatch; c += kGroup, ++n) {
+    const V* rows[2 * kUpRows];  // gate rows, then up rows
 #pragma unroll
-      for (int r = 0; r < kUpRows; ++r) {
-        const int64_t row = min(row0 + r, inter - 1);
-        prefetch_l2(reinterpret_cast<const V*>(shared_w + row * dim) + c);
-        prefetch_l2(reinterpret_cast<const V*>(shared_w + (inter + row) * dim) + c);
-      }
+    for (int r = 0; r < kUpRows; ++r) {
+      const int64_t row = min(row0 + r, inter - 1);
+      rows[r] = reinterpret_cast<const V*>(shared_w + row * dim);
+      rows[kUpRows + r] = reinterpret_cast<const V*>(shared_w + (inter + row) * dim);
     }
+    prefetch_rows_l2(rows, lane, dim / kN, kGroup, kUpBatch);
   }
   pdl_enter();
   if (row0 >= inter) return;
@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kThreads)
   // from ids, which the kernels before write.
   const V* shared_row = reinterpret_cast<const V*>(shared_w + static_cast<int64_t>(row) * shared_inter);
   if (shared_w != nullptr && row < dim) {
-    for (int c = lane, n = 0; c < shared_inter / kN && n < kDownBatch; c += kGroup, ++n) prefetch_l2(shared_row + c);
+    const V* rows[1] = {shared_row};
+    prefetch_rows_l2(rows, lane, shared_inter / kN, kGroup, kDownBatch);
   }
   pdl_enter();
   if (row >= dim) return;
