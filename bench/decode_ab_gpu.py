@@ -13,10 +13,10 @@ Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
 off (the limit at 0: every linear on ``F.linear``; launches without the
 attribute; two linears and ``kda_gate``). Each round
 times both, in turn, the order alternating; the setting is switched with the
-engine, so the steps outside the graphs (prefill, lm_head) follow it too. Decode tok/s as in
+engine, so the steps outside the graphs (prefill) follow it too. Decode tok/s as in
 decode_gpu.py: batch * N / (t(1 + N new tokens) - t(1 new token)); and the
 device time of one replay of the engine's decode graph for that batch (the
-forward alone, between CUDA events, median of 10; as
+forward with the lm_head and argmax, between CUDA events, median of 10; as
 bench/profile_decode_gpu.py), which the host's noise does not reach.
 
 Per-shape kernel times against cuBLAS: ``python bench/kernels_gpu.py --only linear``.

@@ -5,9 +5,9 @@
 
 For each batch: the engine's decode step time (as bench/decode_gpu.py
 measures it, with and without async scheduling), the GPU time of one
-replayed decode graph (the forward alone), the lm_head + argmax + copy to
-the host, and what is left (the host: scheduling, inputs, outputs). Then the
-top kernels inside one replayed graph by GPU time.
+replayed decode graph (the forward, the lm_head and the argmax), the copy of
+its tokens to the host, and what is left (the host: scheduling, inputs,
+outputs). Then the top kernels inside one replayed graph by GPU time.
 """
 
 from __future__ import annotations
@@ -77,15 +77,14 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int, load_format:
     size = next(s for s in graphs.sizes if s >= batch)
     replay = _ms_per_call(lambda: graphs._launch(size))
     enqueue, device_ms = _replay_split(graphs, size)
-    hidden = graphs._launch(size)[:batch]
-    with torch.inference_mode():
-        sample = _ms_per_call(lambda: runner.model.compute_logits(hidden).argmax(dim=-1).tolist())
-    del llm, runner, graphs, hidden
+    greedy = graphs._launch(size).greedy[:batch]
+    sample = _ms_per_call(lambda: greedy.tolist())
+    del llm, runner, graphs, greedy
     overlapped = _step_ms(fresh_llm(True), prompts, new_tokens)
     host = step - replay - sample
     print(f"== batch {batch} (graph size {size}): step {step:.3f} ms ({batch / step * 1e3:.0f} tok/s), "
           f"async scheduling {overlapped:.3f} ms ({batch / overlapped * 1e3:.0f} tok/s); "
-          f"graph replay {replay:.3f} ms, lm_head+argmax+tolist {sample:.3f} ms, rest (host) {host:.3f} ms",
+          f"graph replay {replay:.3f} ms, tokens to the host {sample:.3f} ms, rest (host) {host:.3f} ms",
           flush=True)  # fmt: skip
     print(f"   one replay: host enqueue {enqueue:.3f} ms, device time between events {device_ms:.3f} ms")
 

@@ -48,7 +48,7 @@ if [ "${SANITIZE:-}" = engine ]; then
   date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"
   exit 0
 fi
-stage engine_tests ${ENGINE_LIMIT:-200} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_mla_prefill.py \
+stage engine_tests ${ENGINE_LIMIT:-300} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_mla_prefill.py \
   tests/test_build.py
 # fla's tests last (below): Triton autotunes fla's kernels afresh on each new machine, which can take minutes
 KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py tests/test_linear_gpu.py"

@@ -5,9 +5,11 @@ time, not the GPU, sets the pace. So at start-up (caches allocated) the
 runner captures the model's forward for batch sizes 1, 2, 4, ... up to the
 first >= max_num_seqs (at most 128, the MoE's dense-path bound), and a step
 whose rows are all pure decode (one token, no drafts, no prompt logprobs)
-replays the smallest graph that fits, its batch padded up. Sampling, the
-lm_head and drafting stay outside the graph. ``--enforce-eager`` turns it off;
-the CPU always runs eagerly.
+replays the smallest graph that fits, its batch padded up. The graph ends
+with the lm_head and the logits' argmax (a greedy step's tokens): on a slow
+host each of those launches costs as much as its kernel. Sampling and
+drafting stay outside the graph. ``--enforce-eager`` turns it off; the CPU
+always runs eagerly.
 
 The captured forward reads only static device buffers, which each step
 overwrites before replay (S = the largest captured size)::
@@ -33,8 +35,9 @@ the kernel reads each row's length from ``seq_lens``), MoE its dense path.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from atom.config import EngineConfig
@@ -52,6 +55,19 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 InputPatch = tuple[list[int], torch.Tensor]
 # rows of the static int64 buffer: INPUT_IDS, POSITIONS, ... SEQ_LENS (atom.ops.cuda.fused, shared with the kernel)
 _PADDING = (0, 0, -1, -1, -1, 0, 0)  # what each row holds in a padding column
+_PADDING_COLUMN = np.array(_PADDING, np.int64)[:, None]
+# Up to this many block ids (128 KB) a step uploads its rows' whole block tables rather than their first
+# columns: a few microseconds on the link, where the strided copy cost the H200's host ~20 us more to launch.
+WHOLE_TABLE_ROWS_MAX_IDS = 16384
+
+
+class DecodeOutput(NamedTuple):
+    """A decode graph's outputs, rows [:n] of its static output buffers: valid until that graph's next
+    replay, so only work queued on the stream before it may read them."""
+
+    hidden: torch.Tensor  # [n, D] the model's last hidden states
+    logits: torch.Tensor  # [n, V] float32, the lm_head's
+    greedy: torch.Tensor  # [n] int64, the logits' argmax
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -80,7 +96,7 @@ class DecodeGraphs:
         self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, largest)
         self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.long, device=device)
         self.host_tables = HostBlockTables(max(config.max_num_seqs, largest), self.max_blocks)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -91,11 +107,11 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(size)
-            self.graphs[size] = (graph, hidden)
+                outputs = self._forward(size)
+            self.graphs[size] = (graph, outputs)
         torch.cuda.synchronize(self.device)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> DecodeOutput:
         cols = self.rows[:, :size]
         # Host values describe the captured shape; max_model_len bounds every seq_len, which is
         # all mla_decode needs from the host (to size its splits).
@@ -115,7 +131,9 @@ class DecodeGraphs:
         meta.token_seq_lens = cols[SEQ_LENS].to(torch.int32)
         meta.token_seq_ids = torch.arange(size, device=self.device)
         with set_forward_context(ForwardContext(meta, self.caches)):
-            return self.model(cols[INPUT_IDS], cols[POSITIONS])
+            hidden = self.model(cols[INPUT_IDS], cols[POSITIONS])
+        logits = self.model.compute_logits(hidden)
+        return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
 
     def forget(self, request_ids) -> None:
         """These requests' block tables were freed or resent (finished, preempted, new)."""
@@ -130,19 +148,18 @@ class DecodeGraphs:
         )
 
     def replay(self, input_ids: list[int], rows: list[ScheduledRequest],
-               patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
-        """Hidden states [n, D] of the step's n rows (a view into the graph's output buffer,
-        valid until the next replay). ``patch``: input ids still on the device, written over
-        theirs (a chained async step's placeholders, atom/worker/deferred.py)."""
-        size = self._fill(input_ids, rows, patch)
-        return self._launch(size)[: len(rows)]
+               patch: InputPatch | None = None) -> DecodeOutput:  # fmt: skip
+        """The step's n rows' hidden states, logits and greedy tokens (views into the graph's output
+        buffers). ``patch``: input ids still on the device, written over theirs (a chained async
+        step's placeholders, atom/worker/deferred.py)."""
+        size, n = self._fill(input_ids, rows, patch), len(rows)
+        return DecodeOutput(*(x[:n] for x in self._launch(size)))
 
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
-                     next_tokens: Callable[[torch.Tensor], torch.Tensor],
                      patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
-        """Multi-step decoding on the device: ``num_steps`` replays back to back, each row's next
-        input being ``next_tokens(hidden)`` of the replay before (e.g. lm_head + argmax), with
-        positions, slots and lengths advanced on the device: no host sync between steps.
+        """Multi-step greedy decoding on the device: ``num_steps`` replays back to back, each row's
+        next input being the greedy token of the replay before, with positions, slots and lengths
+        advanced on the device: no host sync between steps.
         Returns the tokens, int64 [num_steps, n] on the device."""
         n = len(rows)
         size = self._fill(input_ids, rows, patch)
@@ -150,7 +167,7 @@ class DecodeGraphs:
         for step in range(num_steps):
             if step:  # positions, slots and lengths one step on, input the tokens just sampled
                 advance_decode(self.rows, self.tables, tokens[step - 1], self.block_size)
-            tokens[step] = next_tokens(self._launch(size)[:n])
+            tokens[step] = self._launch(size).greedy[:n]
         return tokens
 
     def _fill(self, input_ids: list[int], rows: list[ScheduledRequest], patch: InputPatch | None) -> int:
@@ -161,11 +178,11 @@ class DecodeGraphs:
             self.rows[INPUT_IDS, as_index(positions, self.device)] = values
         return size
 
-    def _launch(self, size: int) -> torch.Tensor:
-        """Replays the graph of this size over the static buffers; its output buffer [size, D]."""
-        graph, hidden = self.graphs[size]
+    def _launch(self, size: int) -> DecodeOutput:
+        """Replays the graph of this size over the static buffers; its output buffers (all ``size`` rows)."""
+        graph, outputs = self.graphs[size]
         graph.replay()
-        return hidden
+        return outputs
 
 
 class HostBlockTables:
@@ -180,6 +197,7 @@ class HostBlockTables:
 
     def __init__(self, rows: int, max_blocks: int) -> None:
         self.table = torch.zeros(rows, max_blocks, dtype=torch.long)
+        self._array = self.table.numpy()  # the same memory: numpy gathers rows faster than torch indexes them
         self._known: dict[str, tuple[int, int]] = {}  # request id -> (row, blocks written)
         self._free = list(range(rows - 1, -1, -1))
 
@@ -197,7 +215,7 @@ class HostBlockTables:
             if known is None or known[1] != len(s.block_ids):
                 known = self._write(s, known, rows)
             index.append(known[0])
-        return self.table[index, :width]
+        return torch.from_numpy(self._array[index, :width])
 
     def _write(self, s: ScheduledRequest, known: tuple[int, int] | None,
                rows: list[ScheduledRequest]) -> tuple[int, int]:  # fmt: skip
@@ -221,22 +239,25 @@ class HostBlockTables:
 def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables: HostBlockTables,
                         input_ids: list[int], rows: list[ScheduledRequest], sizes: tuple[int, ...],
                         block_size: int) -> int:  # fmt: skip
-    """Writes a decode step's n rows into the static buffers (columns n.. up to the graph
-    size as padding); the graph size to replay."""
+    """Writes a decode step's n rows into the static buffers (every column past them as padding);
+    the graph size to replay. The whole of ``buffers`` goes up in one contiguous copy: on a GPU that
+    is one transfer, where its first columns alone would be a transfer and a strided copy kernel."""
     n = len(rows)
     size = next(s for s in sizes if s >= n)
-    pad = size - n
-    host = [
-        input_ids + [0] * pad,
-        [s.context_len for s in rows] + [0] * pad,
-        [_slot(s, block_size) for s in rows] + [-1] * pad,
-        [s.state_slot for s in rows] + [-1] * pad,
-        [s.state_out_slot for s in rows] + [-1] * pad,
-        [int(s.context_len > 0) for s in rows] + [0] * pad,
-        [s.context_len + 1 for s in rows] + [0] * pad,
-    ]
-    copy_from_host(buffers[:, :size], torch.tensor(host, dtype=torch.long))
+    host = np.empty(tuple(buffers.shape), np.int64)
+    host[:] = _PADDING_COLUMN
+    context = np.fromiter((s.context_len for s in rows), np.int64, n)
+    host[INPUT_IDS, :n] = input_ids
+    host[POSITIONS, :n] = context
+    host[SLOT_MAPPING, :n] = [_slot(s, block_size) for s in rows]
+    host[STATE_SLOTS, :n] = [s.state_slot for s in rows]
+    host[STATE_OUT_SLOTS, :n] = [s.state_out_slot for s in rows]
+    host[HAS_INITIAL_STATE, :n] = context > 0
+    host[SEQ_LENS, :n] = context + 1
+    copy_from_host(buffers, torch.from_numpy(host))
     width = max(len(s.block_ids) for s in rows)
+    if n * tables.shape[1] <= WHOLE_TABLE_ROWS_MAX_IDS:  # whole rows: contiguous, so again one plain transfer
+        width = tables.shape[1]
     copy_from_host(tables[:n, :width], host_tables.gather(rows, width))
     return size
 

@@ -47,7 +47,11 @@ class HostCopy:
 
 
 class DeferredTokens:
-    """Tokens [k, n] (k steps of n rows, step-major) of one runner step, on their way to the host."""
+    """Tokens [k, n] (k steps of n rows, step-major) of one runner step, on their way to the host.
+
+    ``tokens`` may be a view into a decode graph's output buffer (a greedy step's argmax), which that
+    graph's next replay overwrites: only work queued on the stream before it may read them, as the
+    copy to the host and the next step's patch are."""
 
     def __init__(self, tokens: torch.Tensor, request_ids: list[str], histories: list[list[int]],
                  out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip

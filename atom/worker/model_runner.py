@@ -18,7 +18,7 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
-from atom.worker.cuda_graph import InputPatch, as_index, capture_decode_graphs
+from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_decode_graphs
 from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
@@ -115,10 +115,10 @@ class ModelRunner:
         if sched.num_steps > 1:
             return self._execute_steps(sched, chained)
         rows = sched.scheduled
-        hidden, starts = self._forward(rows, chained)
+        hidden, starts, graph = self._forward(rows, chained)
         out = RunnerOutput()
         self._prompt_logprobs(rows, starts, hidden, out)
-        self._sample(rows, starts, hidden, out, defer=chained)
+        self._sample(rows, starts, hidden, out, defer=chained, graph=graph)
         self._verify(rows, starts, hidden, out)
         if self.drafter is not None and out.sampled:
             self._propose(rows, starts, hidden, out)
@@ -164,8 +164,7 @@ class ModelRunner:
         if graphs is not None and graphs.covers(rows) and all(st.plain_greedy for st in states):
             # greedy on the device end to end: the steps run back to back, one copy to the host at the end
             ids, patch = self._token_ids(rows, on_device=chained)
-            tokens = graphs.replay_steps(ids, rows, sched.num_steps,
-                                         lambda hidden: self.model.compute_logits(hidden).argmax(dim=-1), patch)
+            tokens = graphs.replay_steps(ids, rows, sched.num_steps, patch)
             if chained:
                 self._defer(tokens, rows, out)
                 return out
@@ -175,9 +174,9 @@ class ModelRunner:
                 st.output_token_ids.extend(flat[i::n])
             return out
         for _ in range(sched.num_steps):
-            hidden, starts = self._forward(rows)
+            hidden, starts, graph = self._forward(rows)
             step = RunnerOutput()
-            self._sample(rows, starts, hidden, step)
+            self._sample(rows, starts, hidden, step, graph=graph)
             for s in rows:
                 out.sampled.setdefault(s.request_id, []).extend(step.sampled[s.request_id])
                 if s.request_id in step.logprobs:
@@ -187,11 +186,14 @@ class ModelRunner:
                             state_slot=s.state_out_slot) for s in rows]  # fmt: skip
         return out
 
-    def _forward(self, rows: list[ScheduledRequest], chained: bool = False) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states [T, D] of the step's flat batch, and its query_start_loc."""
+    def _forward(self, rows: list[ScheduledRequest],
+                 chained: bool = False) -> tuple[torch.Tensor, list[int], DecodeOutput | None]:  # fmt: skip
+        """Hidden states [T, D] of the step's flat batch, its query_start_loc, and on the decode
+        graphs their outputs (with each row's logits and greedy token)."""
         if self.decode_graphs is not None and self.decode_graphs.covers(rows):
             ids, patch = self._token_ids(rows, on_device=chained)
-            return self.decode_graphs.replay(ids, rows, patch), list(range(len(rows) + 1))
+            graph = self.decode_graphs.replay(ids, rows, patch)
+            return graph.hidden, list(range(len(rows) + 1)), graph
         ids, _ = self._token_ids(rows)
         meta = build_attention_metadata(
             query_lens=[len(s.token_ids) for s in rows],
@@ -204,7 +206,7 @@ class ModelRunner:
             per_token_state_seqs=tuple(i for i, s in enumerate(rows) if s.draft_token_ids),
         )
         with set_forward_context(ForwardContext(meta, self.caches)):
-            return self.model(upload(ids, torch.long, self.device), meta.positions), meta.query_start_loc
+            return self.model(upload(ids, torch.long, self.device), meta.positions), meta.query_start_loc, None
 
     def _token_ids(self, rows: list[ScheduledRequest], on_device: bool = False) -> tuple[list[int], InputPatch | None]:
         """The step's input ids, placeholders filled in with the token each request sampled last.
@@ -237,22 +239,29 @@ class ModelRunner:
         last_tokens = newest.tokens[-1]
         return ids, (positions, last_tokens[as_index(columns, last_tokens.device)])
 
-    def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False) -> None:
+    def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False,
+                graph: DecodeOutput | None = None) -> None:  # fmt: skip
         """Plain sampling: one token from the last position of each row that samples without drafts.
-        ``defer`` (a chained step, see ``_chains``): the tokens stay on the device."""
+        ``defer`` (a chained step, see ``_chains``): the tokens stay on the device. ``graph``: a decode
+        graph's outputs, whose logits (and their argmax) were computed in the graph."""
         picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
-        last = as_index([starts[i + 1] - 1 for i, _ in picked], self.device)
-        logits = self.model.compute_logits(hidden[last])
+        if graph is not None and len(picked) == len(rows):  # one token a row: row i is position i
+            logits, argmax = graph.logits, graph.greedy
+        else:
+            last = as_index([starts[i + 1] - 1 for i, _ in picked], self.device)
+            logits, argmax = self.model.compute_logits(hidden[last]), None
         states = [self.requests[s.request_id] for _, s in picked]
         greedy = all(st.plain_greedy for st in states)  # no per-row parameters to upload
+        if greedy and argmax is None:
+            argmax = logits.argmax(dim=-1)
         if defer:  # every row chainable: the sampler reads no token history and nothing goes to the host
-            tokens = logits.argmax(dim=-1) if greedy else self.sampler(logits, self._batch(states)).sampled_token_ids
+            tokens = argmax if greedy else self.sampler(logits, self._batch(states)).sampled_token_ids
             self._defer(tokens.unsqueeze(0), [s for _, s in picked], out)
             return
         if greedy:
-            for (_, s), st, token in zip(picked, states, self._to_host(logits.argmax(dim=-1))):
+            for (_, s), st, token in zip(picked, states, self._to_host(argmax)):
                 st.output_token_ids.append(token)
                 out.sampled[s.request_id] = [token]
             return
