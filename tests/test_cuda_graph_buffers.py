@@ -166,6 +166,45 @@ def test_static_buffers_with_preemption_match_eager(tmp_path, kernel_shaped_laye
     assert llm.engine.all_resources_free()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_layers, overlap):
+    """A decode step on the graphs runs the lm_head (and the greedy argmax) inside the graph: the runner
+    computes no logits of its own for it. Steps the graphs do not cover (prefill) still do. Greedy and
+    seeded sampled requests get the plain runner's tokens."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) for _ in PROMPTS]
+    params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in LLM(kimi_ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(kimi_ckpt, async_scheduling=overlap, **kwargs)
+    graphs, runner = _graphs_on(llm), llm.engine.runner
+    in_graph, step_on_graphs, outside = [False], [False], []  # outside: (step on the graphs?) per lm_head call
+    compute_logits, launch, execute = runner.model.compute_logits, graphs._launch, runner.execute_model
+
+    def counted_logits(hidden):
+        if not in_graph[0]:
+            outside.append(step_on_graphs[0])
+        return compute_logits(hidden)
+
+    def flagged_launch(size):
+        in_graph[0] = True
+        try:
+            return launch(size)
+        finally:
+            in_graph[0] = False
+
+    def flagged_execute(sched):
+        step_on_graphs[0] = bool(sched.scheduled) and graphs.covers(sched.scheduled)
+        return execute(sched)
+
+    runner.model.compute_logits, graphs._launch, runner.execute_model = counted_logits, flagged_launch, flagged_execute
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert len(graphs.launched) >= 5 and outside  # decode steps ran on the graphs, prefill steps eagerly
+    assert not any(outside), "a step on the graphs computed its logits outside the graph"
+    assert llm.engine.all_resources_free()
+
+
 def _graphs_on(llm: LLM) -> EagerDecodeGraphs:
     runner = llm.engine.runner
     runner.decode_graphs = EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device)
