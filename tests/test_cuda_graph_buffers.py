@@ -122,6 +122,29 @@ def test_advance_equals_refilling_the_buffers(kimi_ckpt):
     assert torch.equal(buffers, want_buffers) and torch.equal(tables, want_tables)
 
 
+@pytest.mark.parametrize("max_blocks", [12, 6000], ids=["whole_table_rows", "first_columns"])
+def test_fill_writes_each_row_padding_and_block_tables(max_blocks):
+    """The static buffers after a fill: each step row's values, padding in every other column (up to the
+    graph size and past it), and each row's block table followed by zeros, whether the tables go up as
+    whole rows (small) or as their first columns (more than WHOLE_TABLE_ROWS_MAX_IDS ids)."""
+    from atom.engine.scheduler_output import ScheduledRequest
+    from atom.worker.cuda_graph import _PADDING, WHOLE_TABLE_ROWS_MAX_IDS, HostBlockTables, fill_decode_buffers
+
+    block_size, sizes, n = 4, (1, 2, 4, 8), 3
+    assert (n * max_blocks <= WHOLE_TABLE_ROWS_MAX_IDS) == (max_blocks == 12)
+    rows = [ScheduledRequest("a", [5], 0, [7], -1, True, state_out_slot=-1),
+            ScheduledRequest("b", [6], 9, [3, 8, 2], 4, True, state_out_slot=5),
+            ScheduledRequest("c", [9], 5, [11, 1], 6, True, state_out_slot=6)]
+    buffers, tables = torch.full((7, 8), 99, dtype=torch.long), torch.full((8, max_blocks), 99, dtype=torch.long)
+    size = fill_decode_buffers(buffers, tables, HostBlockTables(8, max_blocks), [5, 6, 9], rows, sizes, block_size)
+    assert size == 4
+    want = [[5, 6, 9], [0, 9, 5], [7 * 4 + 0, 2 * 4 + 1, 1 * 4 + 1], [-1, 4, 6], [-1, 5, 6], [0, 1, 1], [1, 10, 6]]
+    for r, values in enumerate(want):
+        assert buffers[r].tolist() == values + [_PADDING[r]] * (8 - n), r
+    for i, s in enumerate(rows):
+        assert tables[i, :3].tolist() == s.block_ids + [0] * (3 - len(s.block_ids)), i
+
+
 def test_host_block_tables_match_full_tables():
     """Incremental host tables == each step's tables built in full, through appends, frees and
     resends (forget), row reuse, and more live requests than rows (eviction)."""
