@@ -44,8 +44,18 @@ def kernel_shaped_layers(monkeypatch):
 
 
 def _generate(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return _tokens(llm, GREEDY)
+
+
+def _tokens(llm: LLM, params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def _greedy_but(index: int, params: SamplingParams) -> list[SamplingParams]:
+    """Greedy params for each of PROMPTS (10 tokens), but ``params`` for prompt ``index``."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    return [params if i == index else greedy for i in range(len(PROMPTS))]
 
 
 def test_capture_sizes():
@@ -194,11 +204,9 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
     """A decode step on the graphs runs the lm_head (and the greedy argmax) inside the graph: the runner
     computes no logits of its own for it. Steps the graphs do not cover (prefill) still do. Greedy and
     seeded sampled requests get the plain runner's tokens."""
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) for _ in PROMPTS]
-    params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True)
+    params = _greedy_but(1, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True))
     kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    want = [o.outputs[0].token_ids for o in LLM(kimi_ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
+    want = _tokens(LLM(kimi_ckpt, **kwargs), params)
     llm = LLM(kimi_ckpt, async_scheduling=overlap, **kwargs)
     graphs, runner = _graphs_on(llm), llm.engine.runner
     in_graph, step_on_graphs, outside = [False], [False], []  # outside: (step on the graphs?) per lm_head call
@@ -221,8 +229,7 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
         return execute(sched)
 
     runner.model.compute_logits, graphs._launch, runner.execute_model = counted_logits, flagged_launch, flagged_execute
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    assert _tokens(llm, params) == want
     assert len(graphs.launched) >= 5 and outside  # decode steps ran on the graphs, prefill steps eagerly
     assert not any(outside), "a step on the graphs computed its logits outside the graph"
     assert llm.engine.all_resources_free()
@@ -266,15 +273,13 @@ def test_async_steps_chain_on_the_device(kimi_ckpt, kernel_shaped_layers, steps)
 def test_async_mixed_sampling_brings_tokens_home_first(kimi_ckpt, kernel_shaped_layers):
     """A step that must read token histories on the host (penalties, seeded sampling) is not chained:
     the runner resolves the steps in flight first. Same tokens as synchronous steps."""
-    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) for _ in PROMPTS]
-    params[2] = SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, max_tokens=10, ignore_eos=True)
+    params = _greedy_but(2, SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.3, max_tokens=10,
+                                           ignore_eos=True))
     kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    want = [o.outputs[0].token_ids for o in LLM(kimi_ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
+    want = _tokens(LLM(kimi_ckpt, **kwargs), params)
     llm = LLM(kimi_ckpt, async_scheduling=True, **kwargs)
     _graphs_on(llm)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    assert _tokens(llm, params) == want
     assert llm.engine.all_resources_free()
 
 
