@@ -12,7 +12,9 @@ The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
 bf16), written once to --ckpt. Decode tokens/s is measured as
 batch * N / (t(prefill + N + 1 tokens) - t(prefill + 1 token)), so prefill
-cost cancels; prefix caching is off so both runs prefill fully. The roofline
+cost cancels; prefix caching is off so both runs prefill fully. Each time is
+the median of 3 runs, for both engines (transformers' were single runs up to
+session 28). The roofline
 is the bytes one decode step must read and write (weights, with the experts a
 batch is expected to touch, plus each sequence's KV rows and KDA state) over
 the copy bandwidth measured here; its fraction is measured / roofline tok/s.
@@ -146,13 +148,19 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     run(1 + new_tokens)  # warm-up, multi-step rounds included
-    # decode time = run with new_tokens more tokens minus the prefill-only run; median of 3
-    t1 = sorted(timed(lambda: run(1)) for _ in range(3))[1]
-    tn = sorted(timed(lambda: run(1 + new_tokens)) for _ in range(3))[1]
+    seconds = decode_seconds(run, new_tokens)
     del llm
     gc.collect()  # the next engine's weights need this one's memory back (98 GB at --shape 48b)
     torch.cuda.empty_cache()
-    return batch * new_tokens / (tn - t1)
+    return batch * new_tokens / seconds
+
+
+def decode_seconds(run, new_tokens: int) -> float:
+    """Decode time of new_tokens: the run with that many more tokens minus the prefill-only run,
+    each the median of 3 (the same for both engines)."""
+    t1 = sorted(timed(lambda: run(1)) for _ in range(3))[1]
+    tn = sorted(timed(lambda: run(1 + new_tokens)) for _ in range(3))[1]
+    return tn - t1
 
 
 def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
@@ -166,9 +174,7 @@ def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int, temperature:
                            **({"do_sample": False} | sampling))  # fmt: skip
 
     run(2)
-    t1 = timed(lambda: run(1))
-    tn = timed(lambda: run(1 + new_tokens))
-    return len(prompts) * new_tokens / (tn - t1)
+    return len(prompts) * new_tokens / decode_seconds(run, new_tokens)
 
 
 def main() -> None:
