@@ -13,8 +13,8 @@ The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 bf16), written once to --ckpt. Decode tokens/s is measured as
 batch * N / (t(prefill + N + 1 tokens) - t(prefill + 1 token)), so prefill
 cost cancels; prefix caching is off so both runs prefill fully. Each time is
-the median of 3 runs, for both engines (transformers' were single runs up to
-session 28). The roofline
+the fastest of 5 runs, for both engines (up to session 28: ATOM's the median
+of 3, transformers' one run). The roofline
 is the bytes one decode step must read and write (weights, with the experts a
 batch is expected to touch, plus each sequence's KV rows and KDA state) over
 the copy bandwidth measured here; its fraction is measured / roofline tok/s.
@@ -155,11 +155,13 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
     return batch * new_tokens / seconds
 
 
-def decode_seconds(run, new_tokens: int) -> float:
-    """Decode time of new_tokens: the run with that many more tokens minus the prefill-only run,
-    each the median of 3 (the same for both engines)."""
-    t1 = sorted(timed(lambda: run(1)) for _ in range(3))[1]
-    tn = sorted(timed(lambda: run(1 + new_tokens)) for _ in range(3))[1]
+def decode_seconds(run, new_tokens: int, repeats: int = 5) -> float:
+    """Decode time of new_tokens: the run with that many more tokens minus the prefill-only run, each
+    the fastest of ``repeats`` (the same for both engines). The host's noise only ever adds time, so the
+    minimum is the steadier figure: a difference of two medians of three once came out faster than the
+    GPU could run the steps (GPU_NOTES.md, session 28)."""
+    t1 = min(timed(lambda: run(1)) for _ in range(repeats))
+    tn = min(timed(lambda: run(1 + new_tokens)) for _ in range(repeats))
     return tn - t1
 
 
