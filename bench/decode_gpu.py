@@ -7,14 +7,16 @@
     python bench/decode_gpu.py --multi-step 8        # also ATOM with --num-scheduler-steps 8
     python bench/decode_gpu.py --temperature 0.8 --top-p 0.95 --async-too   # sampled, not greedy
     python bench/decode_gpu.py --shape 48b --async-too   # Kimi-Linear-48B-A3B's shape, random weights
+    ROUNDS=2 bash bench/trees_ab_gpu.sh "python3 bench/decode_gpu.py --skip-hf --async-too --output-len 256 \
+        --repeats 9" "^ *[0-9]+ +[0-9]"         # a change to the host's share against a base tree
 
 The model is a random ~1.3B-parameter Kimi-Linear-shaped checkpoint (hidden
 2304, 8 layers of which 2 MLA, 32 heads, 16 experts top-4, vocab 32000,
 bf16), written once to --ckpt. Decode tokens/s is measured as
 batch * N / (t(prefill + N + 1 tokens) - t(prefill + 1 token)), so prefill
 cost cancels; prefix caching is off so both runs prefill fully. Each time is
-the fastest of 5 runs, for both engines (up to session 28: ATOM's the median
-of 3, transformers' one run). The roofline
+the fastest of --repeats runs (5), for both engines (up to session 28: ATOM's
+the median of 3, transformers' one run). The roofline
 is the bytes one decode step must read and write (weights, with the experts a
 batch is expected to touch, plus each sequence's KV rows and KDA state) over
 the copy bandwidth measured here; its fraction is measured / roofline tok/s.
@@ -133,7 +135,7 @@ def timed(fn) -> float:
 
 def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False,
                     async_scheduling: bool = False, num_scheduler_steps: int = 1, temperature: float = 0.0,
-                    top_p: float = 1.0, load_format: str = "auto") -> float:
+                    top_p: float = 1.0, load_format: str = "auto", repeats: int = 5) -> float:
     from atom import LLM, SamplingParams
 
     batch = len(prompts)
@@ -148,7 +150,7 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     run(1 + new_tokens)  # warm-up, multi-step rounds included
-    seconds = decode_seconds(run, new_tokens)
+    seconds = decode_seconds(run, new_tokens, repeats)
     del llm
     gc.collect()  # the next engine's weights need this one's memory back (98 GB at --shape 48b)
     torch.cuda.empty_cache()
@@ -166,7 +168,7 @@ def decode_seconds(run, new_tokens: int, repeats: int = 5) -> float:
 
 
 def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
-                  top_p: float = 1.0) -> float:
+                  top_p: float = 1.0, repeats: int = 5) -> float:
     ids = torch.tensor(prompts, device="cuda")
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
 
@@ -176,7 +178,7 @@ def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int, temperature:
                            **({"do_sample": False} | sampling))  # fmt: skip
 
     run(2)
-    return len(prompts) * new_tokens / decode_seconds(run, new_tokens)
+    return len(prompts) * new_tokens / decode_seconds(run, new_tokens, repeats)
 
 
 def main() -> None:
@@ -198,6 +200,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (both engines; default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (default 1)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="runs of each length, both engines; the fastest counts (default 5; more for A/Bs of the "
+                        "host's share of a step on a noisy host)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("atom.worker.cuda_graph").setLevel(logging.INFO)  # says whether graphs were captured
@@ -242,7 +247,8 @@ def main() -> None:
         roof = batch / (step_bytes(config, batch, context) / (ceiling * 1e9))
         print(f"batch {batch}: atom {atom}, atom multi-step {multi}, multi-step + async {multi_overlap}, "
               f"roofline {roof:.0f} tok/s; transformers next", flush=True)  # fmt: skip
-        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len, args.temperature, args.top_p)
+        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len, args.temperature, args.top_p,
+                                                     args.repeats)
         rows.append((batch, atom, eager, overlap, multi, multi_overlap, hf, roof))
         print(f"batch {batch}: atom eager {eager}, atom async {overlap}, transformers {hf}", flush=True)
 
@@ -262,7 +268,8 @@ def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = 
               async_scheduling: bool = False, num_scheduler_steps: int = 1) -> float | None:
     try:
         return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling,
-                               num_scheduler_steps, args.temperature, args.top_p, args.load_format)  # fmt: skip
+                               num_scheduler_steps, args.temperature, args.top_p, args.load_format,
+                               args.repeats)  # fmt: skip
     except Exception as e:  # report and keep the other numbers
         print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}, num_scheduler_steps="
               f"{num_scheduler_steps}) failed at batch {batch}: {type(e).__name__}: {e}")
