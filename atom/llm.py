@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 from tqdm import tqdm
@@ -28,6 +28,9 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.engine.stream_outputs = False  # generate() returns finished requests only
         self._next_id = 0
+        # async_scheduling: the thread that runs the forward passes, started by the first generate() and kept
+        # for the next ones (on a GPU, a fresh thread for each call cost it ~40 ms before its first step)
+        self._forward_thread: ThreadPoolExecutor | None = None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -76,16 +79,21 @@ class LLM:
             return
         if str(self.config.device).startswith("cuda"):  # a GPU step is shorter than the default 5 ms
             shorten_gil_switch_interval()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward") as pool:
-            inflight = None
+        if self._forward_thread is None:
+            self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward")
+        inflight = None
+        try:
             while inflight is not None or core.has_unfinished_requests():
                 nxt = None
                 if core.has_unfinished_requests():
                     sched = core.schedule()
-                    nxt = (sched, pool.submit(core.execute, sched))
+                    nxt = (sched, self._forward_thread.submit(core.execute, sched))
                 if inflight is not None:
                     yield core.update(inflight[0], inflight[1].result())
                 inflight = nxt
+        finally:
+            if inflight is not None:  # an error or an interrupt: the step in flight ends before anyone goes on
+                wait([inflight[1]])
 
     def _run(self, requests, show_progress: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -26,8 +26,11 @@ the copy bandwidth measured here; its fraction is measured / roofline tok/s.
 GPU (load_format="dummy"); transformers does not run beside it (two copies
 would not fit one H200).
 
-The "atom" column runs one step at a time (--no-async-scheduling); the
-engine's default on a GPU is the "async" column (--async-too).
+The "atom" column runs one step at a time (--no-async-scheduling), and
+"ratio" is it over transformers; the engine's default on a GPU is the "async"
+column (--async-too), over transformers in "async/hf". Until session 29 every
+async run paid ~40 ms for a fresh forward thread, and async figures from then
+are not to be trusted (GPU_NOTES.md, session 29).
 """
 
 from __future__ import annotations
@@ -253,15 +256,17 @@ def main() -> None:
         print(f"batch {batch}: atom eager {eager}, atom async {overlap}, transformers {hf}", flush=True)
 
     print(f"\n{'batch':>5} {'atom tok/s':>11} {'eager tok/s':>11} {'async tok/s':>11} {'multi tok/s':>11} "
-          f"{'multi+async':>11} {'hf tok/s':>9} {'ratio':>6} {'roofline':>9} {'atom/roof':>9} {'best/roof':>9}")
+          f"{'multi+async':>11} {'hf tok/s':>9} {'ratio':>6} {'async/hf':>8} {'roofline':>9} {'atom/roof':>9} "
+          f"{'best/roof':>9}")
     for batch, atom, eager, overlap, multi, multi_overlap, hf, roof in rows:
         fmt = lambda x, w: f"{x:{w}.0f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = f"{atom / hf:6.2f}" if atom and hf else f"{'-':>6}"
+        async_ratio = f"{overlap / hf:8.2f}" if overlap and hf else f"{'-':>8}"  # the engine's default on a GPU
         frac = f"{atom / roof:9.1%}" if atom else f"{'-':>9}"
         best = max((x for x in (atom, overlap, multi, multi_overlap) if x), default=None)
         frac_best = f"{best / roof:9.1%}" if best else f"{'-':>9}"
         print(f"{batch:>5} {fmt(atom, 11)} {fmt(eager, 11)} {fmt(overlap, 11)} {fmt(multi, 11)} "
-              f"{fmt(multi_overlap, 11)} {fmt(hf, 9)} {ratio} {roof:9.0f} {frac} {frac_best}")
+              f"{fmt(multi_overlap, 11)} {fmt(hf, 9)} {ratio} {async_ratio} {roof:9.0f} {frac} {frac_best}")
 
 
 def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = False,

@@ -88,6 +88,25 @@ def test_overlap_equals_no_overlap(ckpt, budget, make_llm):
     assert _tokens(llm.generate(_inputs(), stops)) == reference
 
 
+def test_overlap_keeps_one_forward_thread_across_calls(llama_ckpt, make_llm):
+    """Every generate() call runs its forward passes on the same thread, started by the first call:
+    a fresh thread per call cost ~40 ms on a GPU before its first step (GPU_NOTES, session 29)."""
+    import threading
+
+    llm = make_llm(llama_ckpt, async_scheduling=True)
+    execute, threads = llm.engine.execute, []
+
+    def recording(sched):
+        threads.append(threading.current_thread())
+        return execute(sched)
+
+    llm.engine.execute = recording
+    first = _tokens(llm.generate(_inputs(), GREEDY))
+    assert _tokens(llm.generate(_inputs(), GREEDY)) == first
+    assert len(set(threads)) == 1 and threads[0] is not threading.main_thread()
+    assert threads[0].is_alive()  # kept for the next call
+
+
 def test_overlap_with_preemption_and_stops(ckpt, make_llm):
     ref_llm = make_llm(ckpt)
     reference = ref_llm.generate(_inputs(), GREEDY)

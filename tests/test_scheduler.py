@@ -99,3 +99,36 @@ def test_abort_while_waiting_and_running():
         assert sched.finish_request(rid, RequestStatus.FINISHED_ABORTED).status == RequestStatus.FINISHED_ABORTED
     assert sched.finish_request("r0", RequestStatus.FINISHED_ABORTED) is None
     assert kv.all_free() and not sched.running and not sched.waiting
+
+
+def _overlapped(sched, rounds=40):
+    """Run the scheduler as async scheduling does: step N+1 is planned before step N's tokens
+    are applied. Returns each planned step's (request id, token count) rows."""
+    steps, inflight = [], None
+    for _ in range(rounds):
+        if inflight is None and not sched.num_unfinished:
+            break
+        nxt = None
+        if sched.num_unfinished:
+            nxt = sched.schedule()
+            steps.append([(s.request_id, len(s.token_ids)) for s in nxt.scheduled])
+        if inflight is not None:
+            sched.update(inflight, RunnerOutput(sampled={s.request_id: [7] for s in inflight.scheduled if s.sample}))
+        inflight = nxt
+    return steps
+
+
+def test_overlap_plans_no_step_past_the_last_token():
+    """With a step in flight, a request whose in-flight token is its last (max_tokens, or
+    max_model_len) is not planned again: that step's token would only be thrown away."""
+    sched, kv = _make(max_model_len=12)
+    requests = [_req(0, 5, max_tokens=1), _req(1, 5, max_tokens=3), _req(2, 9, max_tokens=10)]
+    for request in requests:  # r0 finishes with the prefill's token; max_model_len stops r2 after 3
+        sched.add_request(request)
+    steps = _overlapped(sched)
+    rows = {r.request_id: [n for step in steps for rid, n in step if rid == r.request_id] for r in requests}
+    assert rows == {"r0": [5], "r1": [5, 1, 1], "r2": [9, 1, 1]}
+    assert [(r.num_output_tokens, r.status) for r in requests] == [(1, RequestStatus.FINISHED_LENGTH),
+                                                                   (3, RequestStatus.FINISHED_LENGTH),
+                                                                   (3, RequestStatus.FINISHED_LENGTH)]
+    assert not sched.num_unfinished and kv.all_free()
