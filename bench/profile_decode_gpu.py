@@ -157,11 +157,11 @@ def module_times(llm, batch: int, depth: int = 3) -> None:
         parts = name.split(".")
         if "layers" not in parts or parts[-1] == "layers" or len(parts) - parts.index("layers") - 1 > depth:
             continue
-        start, end = torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True)
+        start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
         marks.append((name, start, end))
         hooks.append(module.register_forward_pre_hook(lambda m, a, e=start: e.record()))
         hooks.append(module.register_forward_hook(lambda m, a, o, e=end: e.record()))
-    first, last = torch.cuda.Event(enable_timing=True, external=True), torch.cuda.Event(enable_timing=True, external=True)
+    first, last = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
     graph = torch.cuda.CUDAGraph()
     with torch.inference_mode():
         graphs._forward(size)

@@ -64,8 +64,8 @@ PYBIND11_MODULE(_C, m) {
       "KDA decode step over the slot-indexed fp32 state, in place (see csrc/ops.h)", py::arg("q"), py::arg("q_sb"),
       py::arg("q_st"), py::arg("k"), py::arg("k_sb"), py::arg("k_st"), py::arg("v"), py::arg("v_sb"), py::arg("v_st"),
       py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("slot_stride"), py::arg("state_slots"),
-      py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"),
-      py::arg("heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("scale"), py::arg("eps"),
+      py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"),
+      py::arg("tokens"), py::arg("heads"), py::arg("key_dim"), py::arg("value_dim"), py::arg("scale"), py::arg("eps"),
       py::arg("norm_gate"), py::arg("norm_gate_stride"), py::arg("norm_weight"), py::arg("norm_eps"),
       py::arg("dtype"), py::arg("stream"));
   m.def("kda_decode_fuses_norm", &atom::kda_decode_fuses_norm,
@@ -104,8 +104,8 @@ PYBIND11_MODULE(_C, m) {
       },
       "depthwise causal conv1d + SiLU decode update over the slot-indexed conv state", py::arg("x"),
       py::arg("x_stride"), py::arg("conv_state"), py::arg("slot_stride"), py::arg("weight"), py::arg("state_slots"),
-      py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"), py::arg("tokens"), py::arg("channels"),
-      py::arg("width"), py::arg("dtype"), py::arg("stream"));
+      py::arg("out_slots"), py::arg("per_token"), py::arg("has_initial_state"), py::arg("out"), py::arg("batch"),
+      py::arg("tokens"), py::arg("channels"), py::arg("width"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
       "conv1d_prefill",

@@ -31,7 +31,8 @@ stage() {  # stage NAME LIMIT_S CMD...: run CMD, log to $OUT/NAME.txt, note its 
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
   # the stage's last log line, skipping pytest's lines about warnings (its count line, "1 warning in", stays)
-  echo "$name: rc=$rc in $((SECONDS - t0)) s (limit $limit); $(grep -v -E "Warning|warnings.html|_warn_or_fail|^ *$" "$OUT/$name.txt" | tail -1)" | tee -a "$OUT/summary.txt"
+  local last; last=$(grep -v -E "Warning|warnings.html|_warn_or_fail|^ *$" "$OUT/$name.txt" | tail -1)
+  echo "$name: rc=$rc in $((SECONDS - t0)) s (limit $limit); $last" | tee -a "$OUT/summary.txt"
   return $rc
 }
 stage build 240 python3 setup.py build_ext --inplace -j 16 || { tail -40 "$OUT/build.txt"; exit 1; }
@@ -48,10 +49,11 @@ if [ "${SANITIZE:-}" = engine ]; then
   date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"
   exit 0
 fi
-stage engine_tests ${ENGINE_LIMIT:-300} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py tests/test_moe.py tests/test_mla_prefill.py \
-  tests/test_build.py
+stage engine_tests ${ENGINE_LIMIT:-300} $PYTEST tests/test_gpu_engine.py tests/test_cuda_graph_buffers.py \
+  tests/test_moe.py tests/test_mla_prefill.py tests/test_build.py
 # fla's tests last (below): Triton autotunes fla's kernels afresh on each new machine, which can take minutes
-KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py tests/test_linear_gpu.py"
+KERNEL_TESTS="tests/test_kernels_gpu.py tests/test_fused_kernels_gpu.py tests/test_sampling_gpu.py"
+KERNEL_TESTS="$KERNEL_TESTS tests/test_linear_gpu.py"
 stage kernel_tests ${KERNEL_LIMIT:-150} $PYTEST $KERNEL_TESTS -k "not fla"
 if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary line is the stage's last line)
   for tool in memcheck racecheck synccheck initcheck; do
@@ -68,10 +70,12 @@ if [ -n "${SANITIZE:-}" ]; then  # every tool must report no error (its summary 
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 # 128 new tokens: eight 16-step rounds, so the rounds' edges (first and last) weigh little in the figure
-stage decode ${DECODE_LIMIT:-280} python3 bench/decode_gpu.py --batches 1,16,64 --output-len 128 --multi-step 16 --async-too
+stage decode ${DECODE_LIMIT:-280} python3 bench/decode_gpu.py --batches 1,16,64 --output-len 128 --multi-step 16 \
+  --async-too
 tail -8 "$OUT/decode.txt"
 stage profile ${PROFILE_LIMIT:-150} python3 bench/profile_decode_gpu.py --batches 1,64 --top 40
 grep -E "^== batch|one replay|kernels in one|last replay|whole forward" "$OUT/profile.txt" | tee -a "$OUT/summary.txt"
-[ -n "${WITH_KERNEL_BENCH:-}" ] && stage kernels ${KERNELS_LIMIT:-300} python3 bench/kernels_gpu.py --graph && tail -40 "$OUT/kernels.txt"
+[ -n "${WITH_KERNEL_BENCH:-}" ] && stage kernels ${KERNELS_LIMIT:-300} python3 bench/kernels_gpu.py --graph \
+  && tail -40 "$OUT/kernels.txt"
 [ -z "${SKIP_FLA:-}" ] && stage fla_tests ${FLA_LIMIT:-150} $PYTEST tests/test_kernels_gpu.py -k fla
 date -u +"end %H:%M:%S UTC" | tee -a "$OUT/summary.txt"

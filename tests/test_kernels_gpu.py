@@ -325,7 +325,8 @@ def test_kda_prefill(backend, scan, dtype, lens, H, K, V, moved):
     kd = packed_gpu[:, H * K : 2 * H * K].view(T, H, K)
     vd = packed_gpu[:, 2 * H * K :].view(T, H, V)
     out = torch.full((T, H, V), float("nan"), dtype=dtype, device="cuda")
-    kda_prefill(qd, kd, vd, dev[1], dev[2], dev[3], pool_gpu, dev[4], out_slots=outs.cuda() if outs is not None else None,
+    out_slots = outs.cuda() if outs is not None else None
+    kda_prefill(qd, kd, vd, dev[1], dev[2], dev[3], pool_gpu, dev[4], out_slots=out_slots,
                 has_initial_state=has_init.cuda(), backend=backend, scan=scan, out=out)  # fmt: skip
     # fla's Triton matmuls and our tf32 scan round their operands to bf16/tf32: their fp32 output is held to the
     # bf16 bound, and so is the state they carry
