@@ -107,6 +107,23 @@ def test_overlap_keeps_one_forward_thread_across_calls(llama_ckpt, make_llm):
     assert threads[0].is_alive()  # kept for the next call
 
 
+def test_overlap_forward_thread_ends_with_its_llm(llama_ckpt):
+    import gc
+    import threading
+
+    from atom import LLM
+
+    llm = LLM(llama_ckpt, dtype="float32", async_scheduling=True)
+    execute, threads = llm.engine.execute, []
+    llm.engine.execute = lambda sched: threads.append(threading.current_thread()) or execute(sched)
+    llm.generate(_inputs()[:2], GREEDY)
+    assert llm.engine.all_resources_free()
+    del llm, execute
+    gc.collect()
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()
+
+
 def test_overlap_with_preemption_and_stops(ckpt, make_llm):
     ref_llm = make_llm(ckpt)
     reference = ref_llm.generate(_inputs(), GREEDY)
