@@ -270,6 +270,31 @@ def test_async_steps_chain_on_the_device(kimi_ckpt, kernel_shaped_layers, steps)
     assert core.all_resources_free()
 
 
+def test_async_chain_as_requests_end_at_different_lengths(kimi_ckpt, kernel_shaped_layers):
+    """Requests leave a chained batch while their last token is still in flight (no step is planned
+    past it): each is sampled exactly max_tokens times, and the tokens equal synchronous steps'."""
+    lengths = (3, 12, 5, 1, 9, 7)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    want = _tokens(LLM(kimi_ckpt, **kwargs), params)
+    llm = LLM(kimi_ckpt, async_scheduling=True, **kwargs)
+    patched = _count_patches(_graphs_on(llm))
+    sampled: dict[str, int] = {}
+    execute = llm.engine.execute
+
+    def counting(sched):
+        for s in sched.scheduled:
+            sampled[s.request_id] = sampled.get(s.request_id, 0) + s.sample
+        return execute(sched)
+
+    llm.engine.execute = counting
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert [sampled[o.request_id] for o in outs] == list(lengths)
+    assert sum(patched) >= 3
+    assert llm.engine.all_resources_free()
+
+
 def test_async_mixed_sampling_brings_tokens_home_first(kimi_ckpt, kernel_shaped_layers):
     """A step that must read token histories on the host (penalties, seeded sampling) is not chained:
     the runner resolves the steps in flight first. Same tokens as synchronous steps."""
