@@ -81,7 +81,7 @@ class LLM:
             shorten_gil_switch_interval()
         if self._forward_thread is None:
             self._forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atom-forward")
-        inflight = None
+        inflight = nxt = None
         try:
             while inflight is not None or core.has_unfinished_requests():
                 nxt = None
@@ -91,9 +91,8 @@ class LLM:
                 if inflight is not None:
                     yield core.update(inflight[0], inflight[1].result())
                 inflight = nxt
-        finally:
-            if inflight is not None:  # an error or an interrupt: the step in flight ends before anyone goes on
-                wait([inflight[1]])
+        finally:  # an error or an interrupt: the steps queued end before anyone goes on
+            wait([step[1] for step in (inflight, nxt) if step is not None])
 
     def _run(self, requests, show_progress: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

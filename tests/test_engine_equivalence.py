@@ -107,6 +107,37 @@ def test_overlap_keeps_one_forward_thread_across_calls(llama_ckpt, make_llm):
     assert threads[0].is_alive()  # kept for the next call
 
 
+def test_overlap_error_waits_for_the_steps_queued(llama_ckpt, make_llm):
+    """An error while a step is queued behind the one being applied: generate() raises only after both
+    have run (none still touches the engine while its requests are aborted), and the engine is usable."""
+    import threading
+    import time
+
+    llm = make_llm(llama_ckpt, async_scheduling=True)
+    reference = _tokens(llm.generate(_inputs(), GREEDY))
+    execute, update, running, calls = llm.engine.execute, llm.engine.update, [], []
+
+    def slow(sched):
+        running.append(threading.current_thread())
+        time.sleep(0.05)  # still running when the update before it fails
+        result = execute(sched)
+        running.pop()
+        return result
+
+    def failing(sched, result):
+        calls.append(sched)
+        if len(calls) == 3:
+            raise RuntimeError("update failed")
+        return update(sched, result)
+
+    llm.engine.execute, llm.engine.update = slow, failing
+    with pytest.raises(RuntimeError, match="update failed"):
+        llm.generate(_inputs(), GREEDY)
+    assert not running  # every step queued had finished when generate() raised
+    llm.engine.execute, llm.engine.update = execute, update
+    assert _tokens(llm.generate(_inputs(), GREEDY)) == reference
+
+
 def test_overlap_forward_thread_ends_with_its_llm(llama_ckpt):
     import gc
     import threading
