@@ -29,7 +29,7 @@ class LLM:
         self.engine.stream_outputs = False  # generate() returns finished requests only
         self._next_id = 0
         # async_scheduling: the thread that runs the forward passes, started by the first generate() and kept
-        # for the next ones (a fresh thread for each call cost ~40-50 ms a call on the H200)
+        # for the next ones (a fresh thread for each call cost tens of ms a call on the H200)
         self._forward_thread: ThreadPoolExecutor | None = None
 
     def get_tokenizer(self):

@@ -29,7 +29,7 @@ would not fit one H200).
 The "atom" column runs one step at a time (--no-async-scheduling), and
 "ratio" is it over transformers; the engine's default on a GPU is the "async"
 column (--async-too), over transformers in "async/hf". Until session 29 every
-async run paid ~40 ms for a fresh forward thread, and async figures from then
+async run paid tens of ms for a fresh forward thread, and async figures from then
 are not to be trusted (GPU_NOTES.md, session 29).
 """
 

@@ -90,7 +90,7 @@ def test_overlap_equals_no_overlap(ckpt, budget, make_llm):
 
 def test_overlap_keeps_one_forward_thread_across_calls(llama_ckpt, make_llm):
     """Every generate() call runs its forward passes on the same thread, started by the first call:
-    a fresh thread per call cost ~40-50 ms a call on the H200 (GPU_NOTES, session 29)."""
+    a fresh thread per call cost tens of ms a call on the H200 (GPU_NOTES, session 29)."""
     import threading
 
     llm = make_llm(llama_ckpt, async_scheduling=True)
