@@ -29,8 +29,8 @@ would not fit one H200).
 The "atom" column runs one step at a time (--no-async-scheduling), and
 "ratio" is it over transformers; the engine's default on a GPU is the "async"
 column (--async-too), over transformers in "async/hf". Until session 29 every
-async run paid tens of ms for a fresh forward thread, and async figures from then
-are not to be trusted (GPU_NOTES.md, session 29).
+async run paid tens of ms for a fresh forward thread: async figures from before
+then are not to be trusted (GPU_NOTES.md, session 29).
 """
 
 from __future__ import annotations
