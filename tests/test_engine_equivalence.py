@@ -88,19 +88,22 @@ def test_overlap_equals_no_overlap(ckpt, budget, make_llm):
     assert _tokens(llm.generate(_inputs(), stops)) == reference
 
 
+def _forward_threads(llm) -> list:
+    """The thread of each step the engine executes from now on."""
+    import threading
+
+    execute, threads = llm.engine.execute, []
+    llm.engine.execute = lambda sched: threads.append(threading.current_thread()) or execute(sched)
+    return threads
+
+
 def test_overlap_keeps_one_forward_thread_across_calls(llama_ckpt, make_llm):
     """Every generate() call runs its forward passes on the same thread, started by the first call:
     a fresh thread per call cost tens of ms a call on the H200 (GPU_NOTES, session 29)."""
     import threading
 
     llm = make_llm(llama_ckpt, async_scheduling=True)
-    execute, threads = llm.engine.execute, []
-
-    def recording(sched):
-        threads.append(threading.current_thread())
-        return execute(sched)
-
-    llm.engine.execute = recording
+    threads = _forward_threads(llm)
     first = _tokens(llm.generate(_inputs(), GREEDY))
     assert _tokens(llm.generate(_inputs(), GREEDY)) == first
     assert len(set(threads)) == 1 and threads[0] is not threading.main_thread()
@@ -140,16 +143,14 @@ def test_overlap_error_waits_for_the_steps_queued(llama_ckpt, make_llm):
 
 def test_overlap_forward_thread_ends_with_its_llm(llama_ckpt):
     import gc
-    import threading
 
     from atom import LLM
 
     llm = LLM(llama_ckpt, dtype="float32", async_scheduling=True)
-    execute, threads = llm.engine.execute, []
-    llm.engine.execute = lambda sched: threads.append(threading.current_thread()) or execute(sched)
+    threads = _forward_threads(llm)
     llm.generate(_inputs()[:2], GREEDY)
     assert llm.engine.all_resources_free()
-    del llm, execute
+    del llm
     gc.collect()
     threads[0].join(timeout=10)
     assert not threads[0].is_alive()

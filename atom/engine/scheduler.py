@@ -191,13 +191,13 @@ class Scheduler:
         needed = sum(self.kv.num_new_blocks(request, steps) for request in self.running)
         return steps if needed <= self.kv.num_free_blocks else 1
 
-    def _reaches_length(self, request: Request) -> bool:
-        """Whether the tokens in flight take the request to its max_tokens or max_model_len, so
-        that update() finishes it (FINISHED_LENGTH) whatever they turn out to be."""
+    def _reaches_length(self, request: Request, ahead: int = 0) -> bool:
+        """Whether the request, with ``ahead`` more tokens, is at its max_tokens or max_model_len:
+        finished (FINISHED_LENGTH) whatever those tokens are."""
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and request.num_output_tokens + request.num_pending_tokens >= max_tokens:
+        if max_tokens is not None and request.num_output_tokens + ahead >= max_tokens:
             return True
-        return request.num_tokens + request.num_pending_tokens >= self.config.max_model_len
+        return request.num_tokens + ahead >= self.config.max_model_len
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         known = request.num_tokens + request.num_pending_tokens
@@ -225,7 +225,7 @@ class Scheduler:
                 # speculation: its accepted count is unknown until the step in flight returns;
                 # P/D producer: its state must stay at the prompt boundary for the handoff
                 continue
-            if request.num_pending_tokens and self._reaches_length(request):
+            if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
                 continue  # the step in flight samples its last token: a step now would be thrown away
             n = self._num_new_tokens(request, budget)
             if n <= 0:
@@ -375,8 +375,6 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and n_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if self._reaches_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
