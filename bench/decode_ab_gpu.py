@@ -3,15 +3,17 @@
     python bench/decode_ab_gpu.py --switch gemv      # the dense-linear kernel (csrc/gemv.cu) against cuBLAS
     python bench/decode_ab_gpu.py --switch pdl       # kernels with programmatic dependent launch, or without
     python bench/decode_ab_gpu.py --switch kda_gate_proj  # KDA's gate projections in one kernel, or three
+    python bench/decode_ab_gpu.py --switch fold_shared  # the shared expert in the every-expert matmuls, or not
     python bench/decode_ab_gpu.py --batches 1 --rounds 5 --eager
 
 Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
 (bf16) live in one process: one captured its CUDA graphs with the setting on
 (``gemv``: ``atom.ops.cuda.linear.GEMV_MAX_TOKENS`` at its default; ``pdl``:
 ``atom._C.set_programmatic_launch(True)``; ``kda_gate_proj``:
-``atom.ops.cuda.fused.KDA_GATE_PROJ_MAX_TOKENS`` at its default), one with it
-off (the limit at 0: every linear on ``F.linear``; launches without the
-attribute; two linears and ``kda_gate``). Each round
+``atom.ops.cuda.fused.KDA_GATE_PROJ_MAX_TOKENS`` at its default;
+``fold_shared``: ``atom.layers.moe.FOLD_SHARED``), one with it off (the limit
+at 0: every linear on ``F.linear``; launches without the attribute; two
+linears and ``kda_gate``; the shared expert as its own MLP). Each round
 times both, in turn, the order alternating; the setting is switched with the
 engine, so the steps outside the graphs (prefill) follow it too. Decode tok/s as in
 decode_gpu.py: batch * N / (t(1 + N new tokens) - t(1 new token)); and the
@@ -37,7 +39,7 @@ from atom.ops._C_loader import get_C  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--switch", choices=("gemv", "pdl", "kda_gate_proj"), default="gemv")
+    p.add_argument("--switch", choices=("gemv", "pdl", "kda_gate_proj", "fold_shared"), default="gemv")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
@@ -61,6 +63,11 @@ def main() -> None:
     if args.switch == "gemv":
         settings = {"on": lambda: setattr(linear_mod, "GEMV_MAX_TOKENS", limit),
                     "off": lambda: setattr(linear_mod, "GEMV_MAX_TOKENS", 0)}  # fmt: skip
+    elif args.switch == "fold_shared":
+        from atom.layers import moe as moe_mod
+
+        settings = {"on": lambda: setattr(moe_mod, "FOLD_SHARED", True),
+                    "off": lambda: setattr(moe_mod, "FOLD_SHARED", False)}  # fmt: skip
     elif args.switch == "kda_gate_proj":
         proj_limit = fused_mod.KDA_GATE_PROJ_MAX_TOKENS
         settings = {"on": lambda: setattr(fused_mod, "KDA_GATE_PROJ_MAX_TOKENS", proj_limit),

@@ -8,6 +8,8 @@ which the call counts check.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -309,6 +311,33 @@ def test_gpu_prefill_chunk_steps_do_not_wait_for_the_stream(tmp_path):
         outputs.extend(core.step())
     assert outputs[-1].outputs[0].token_ids == cpu[0].outputs[0].token_ids
     assert core.all_resources_free()
+
+
+@pytest.mark.parametrize("tokens", [16, 100])
+def test_gpu_shared_expert_in_the_every_expert_matmuls_matches_its_own_mlp(tokens, monkeypatch):
+    """bf16, on the every-expert path: the shared expert stacked after the routed ones (one pair of batched
+    matmuls for both) against the shared MLP run on its own, and both against fp32 on the CPU."""
+    from atom.layers import moe as moe_mod
+    from atom.layers.moe import SparseMoE, TopkRouter, routed_path
+
+    torch.manual_seed(tokens)
+    router = TopkRouter(256, 16, 4, num_groups=1, topk_groups=1, norm_topk_prob=True, routed_scaling_factor=2.0)
+    layer = SparseMoE(256, 128, 16, num_shared_experts=1, router=router, dtype=torch.bfloat16)
+    for p in layer.parameters():
+        p.data.normal_(0, 256**-0.5)
+    reference = copy.deepcopy(layer).float()
+    reference.fuse()
+    layer.cuda().fuse()
+    x = torch.randn(tokens, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert routed_path(x.cuda(), layer.gate(x.cuda())[1], 16) == "all"
+        folded = layer(x.cuda())
+        monkeypatch.setattr(moe_mod, "FOLD_SHARED", False)
+        separate = layer(x.cuda())
+        expected = reference(x.float())  # the CPU: the expert loop plus the shared MLP
+    for out in (folded, separate):
+        assert ((out.float().cpu() - expected).norm() / expected.norm()).item() < 1e-2
+    assert ((folded.float() - separate.float()).norm() / separate.float().norm()).item() < 1e-2
 
 
 @pytest.mark.parametrize("path", ["dispatch", "grouped", "all_experts"])

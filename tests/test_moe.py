@@ -129,3 +129,52 @@ def test_gemv_path_with_the_shared_experts_weights_equals_experts_plus_the_share
     torch.testing.assert_close(fused_path, expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not both"):
         moe.experts.forward_gemv(x, weights, ids, addend=x, shared=moe.shared_experts.stacked_weights())
+
+
+def _sparse_moe(num_shared_experts: int):
+    from atom.layers.moe import SparseMoE, TopkRouter
+
+    torch.manual_seed(num_shared_experts)
+    router = TopkRouter(48, 8, 3, num_groups=1, topk_groups=1, norm_topk_prob=True, routed_scaling_factor=2.0)
+    layer = SparseMoE(48, 24, 8, num_shared_experts=num_shared_experts, router=router, dtype=torch.float32)
+    for p in layer.parameters():
+        p.data.normal_(0, 48**-0.5)
+    return layer
+
+
+def test_a_shared_expert_of_an_experts_size_is_stacked_after_the_routed_ones(monkeypatch) -> None:
+    """SparseMoE.fuse() puts a one-expert shared MLP after the routed experts in their stacks, every weight a
+    view with its loaded values; the every-expert path with it in the matmuls equals experts(x) + shared(x),
+    and so does SparseMoE's forward on that path, folded or not. Two shared experts (twice an expert's
+    size) stay a separate, stacked MLP."""
+    layer = _sparse_moe(1)
+    loaded = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    layer.fuse()
+    experts, shared = layer.experts, layer.shared_experts
+    assert experts.gate_up_with_shared.shape == (9, 48, 48) and experts.down_with_shared.shape == (9, 48, 24)
+    assert experts.gate_up_proj.data_ptr() == experts.gate_up_with_shared.data_ptr()
+    assert experts.gate_up_proj.shape == (8, 48, 48) and experts.down_proj.shape == (8, 48, 24)
+    assert shared.gate_up.weight.data_ptr() == experts.gate_up_with_shared[8].data_ptr()
+    assert shared.up_proj.weight.data_ptr() == experts.gate_up_with_shared[8, 24:].data_ptr()
+    assert shared.down_proj.weight.data_ptr() == experts.down_with_shared[8].data_ptr()
+    assert experts[3].w3.weight.data_ptr() == experts.gate_up_with_shared[3, 24:].data_ptr()
+    for name, p in layer.named_parameters():
+        assert torch.equal(p, loaded[name]), name
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        weights, ids = layer.gate(x)
+        expected = experts(x, weights, ids) + shared(x)
+        folded = experts.forward_all_experts(x, weights, ids, with_shared=True)
+        torch.testing.assert_close(folded, expected, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="not both"):
+            experts.forward_all_experts(x, weights, ids, addend=x, with_shared=True)
+        monkeypatch.setattr(moe, "routed_path", lambda *args: "all")
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+        monkeypatch.setattr(moe, "FOLD_SHARED", False)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-6)
+
+    two = _sparse_moe(2)
+    two.fuse()
+    assert not hasattr(two.experts, "gate_up_with_shared") and two.experts.gate_up_proj.shape == (8, 48, 48)
+    assert two.shared_experts.stacked_weights() is not None
+

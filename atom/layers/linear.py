@@ -38,8 +38,10 @@ class StackedLinears:
         self.bias: torch.Tensor | None = None
 
     @torch.no_grad()
-    def stack(self) -> None:
-        self.weight = torch.cat([lin.weight for lin in self.linears])
+    def stack(self, weight_out: torch.Tensor | None = None) -> None:
+        """``weight_out``: where the stacked weight goes ([sum(out), in], e.g. a view into a larger stack
+        of weights); a new tensor by default."""
+        self.weight = torch.cat([lin.weight for lin in self.linears], out=weight_out)
         has_bias = self.linears[0].bias is not None
         self.bias = torch.cat([lin.bias for lin in self.linears]) if has_bias else None
         start = 0

@@ -7,7 +7,10 @@ copying memory twice::
 
     gate_up_proj [E, 2I, D] = cat(w1, w3)      down_proj [E, D, I] = w2
 
-and the per-expert parameters become views into those stacks.
+and the per-expert parameters become views into those stacks. ``SparseMoE.fuse()``
+puts a shared expert of an expert's size after the routed ones in the same
+stacks ([E + 1, ...], the routed views ``[:E]``), so the every-expert path
+computes it in the same batched matmuls.
 
 Five ways to run the routed experts, all computing the same sums and rounding at the same points
 (choose_path picks one):
@@ -59,6 +62,10 @@ GEMV_MAX_PAIRS_PER_EXPERT = 1.5
 #   ATOM_MOE_ALL_EXPERTS_MIN_SHARE overrides the share (read at import).
 ALL_EXPERTS_MIN_SHARE = float(os.environ.get("ATOM_MOE_ALL_EXPERTS_MIN_SHARE", 2 / 3))
 DENSE_MAX_TOKENS = 128
+# The every-expert path runs a shared expert stacked after the routed ones (SparseMoE.fuse) in its batched
+# matmuls, where it was two more linears a layer (GPU_NOTES.md, session 30). ATOM_MOE_FOLD_SHARED=0 turns
+# that off (read at import; the weights stay stacked).
+FOLD_SHARED = os.environ.get("ATOM_MOE_FOLD_SHARED", "1") != "0"
 # - grouped (forward_grouped, bf16 on Hopper): the rest, and every batch of more than DENSE_MAX_TOKENS.
 
 
@@ -187,16 +194,26 @@ class RoutedExperts(nn.ModuleList):
         self.intermediate_size = intermediate_size
 
     @torch.no_grad()
-    def fuse(self) -> None:
-        """Stack loaded per-expert weights; afterwards each expert's params are views into the stacks."""
-        size = self.intermediate_size
-        gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self])
-        down = torch.stack([e.w2.weight for e in self])
-        self.register_buffer("gate_up_proj", gate_up, persistent=False)
-        self.register_buffer("down_proj", down, persistent=False)
+    def fuse(self, shared: GatedMLP | None = None) -> None:
+        """Stack loaded per-expert weights; afterwards each expert's params are views into the stacks.
+        ``shared``: an expert-sized MLP without biases, stacked after the routed experts (its params
+        views into the stacks too), for forward_all_experts(with_shared=True)."""
+        size, count = self.intermediate_size, len(self) + (shared is not None)
+        first = self[0].w1.weight
+        gate_up = torch.empty(count, 2 * size, first.shape[1], dtype=first.dtype, device=first.device)
+        down = torch.empty(count, first.shape[1], size, dtype=first.dtype, device=first.device)
         for i, e in enumerate(self):
+            gate_up[i, :size], gate_up[i, size:], down[i] = e.w1.weight, e.w3.weight, e.w2.weight
             e.w1.weight.data, e.w3.weight.data = gate_up[i, :size], gate_up[i, size:]
             e.w2.weight.data = down[i]
+        if shared is not None:
+            shared.gate_up.stack(weight_out=gate_up[-1])
+            down[-1] = shared.down_proj.weight
+            shared.down_proj.weight.data = down[-1]
+            self.register_buffer("gate_up_with_shared", gate_up, persistent=False)
+            self.register_buffer("down_with_shared", down, persistent=False)
+        self.register_buffer("gate_up_proj", gate_up[: len(self)], persistent=False)
+        self.register_buffer("down_proj", down[: len(self)], persistent=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 addend: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:  # fmt: skip
@@ -247,17 +264,26 @@ class RoutedExperts(nn.ModuleList):
         return moe_gemv(x, weights, ids, self.gate_up_proj, self.down_proj, addend, shared)
 
     def forward_all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                            addend: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                            addend: torch.Tensor | None = None, with_shared: bool = False) -> torch.Tensor:  # fmt: skip
         """Every expert on every token through one batched matmul per projection, then each token's
         picks combined exactly as forward_grouped combines them.
 
         Once a batch is large enough that nearly every expert is picked, the weights are read
         once either way; the batched matmuls read them faster than grouped ones over a few rows
-        per expert, and need no regrouping of the tokens.
+        per expert, and need no regrouping of the tokens. ``with_shared`` (after fuse(shared)):
+        the shared expert stacked after the routed ones runs in the same matmuls, its output the
+        addend, rounded where its own MLP rounds.
         """
-        gate_up = torch.matmul(x, self.gate_up_proj.transpose(1, 2))  # [E, T, 2I]
-        y = torch.matmul(silu_mul(gate_up), self.down_proj.transpose(1, 2))  # [E, T, D]
-        return moe_combine(y.view(-1, y.shape[-1]), ids, weights, addend, expert_major=True)  # pick j of t: y[ids, t]
+        if with_shared and addend is not None:
+            raise ValueError("forward_all_experts: an addend or the shared expert, not both")
+        gate_up_w, down_w = ((self.gate_up_with_shared, self.down_with_shared) if with_shared
+                             else (self.gate_up_proj, self.down_proj))  # fmt: skip
+        gate_up = torch.matmul(x, gate_up_w.transpose(1, 2))  # [E (+ 1), T, 2I]
+        y = torch.matmul(silu_mul(gate_up), down_w.transpose(1, 2))  # [E (+ 1), T, D]
+        if with_shared:
+            y, addend = y[: len(self)], y[len(self)]
+        # pick j of token t: y[ids[t, j], t]
+        return moe_combine(y.reshape(-1, y.shape[-1]), ids, weights, addend, expert_major=True)
 
     def _forward_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, combined with zero weight for the unpicked: no host sync.
@@ -289,9 +315,22 @@ class SparseMoE(nn.Module):
         self.experts = RoutedExperts(num_experts, hidden_size, moe_intermediate_size, dtype)
         self.shared_experts = GatedMLP(hidden_size, moe_intermediate_size * num_shared_experts, dtype)
 
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """After loading: the routed experts stacked, the shared expert's gate and up stacked; a shared
+        expert of an expert's size without biases goes into the routed experts' stacks after them."""
+        shared = self.shared_experts
+        fits = (shared.gate_proj.weight.shape == self.experts[0].w1.weight.shape and shared.gate_proj.bias is None
+                and shared.up_proj.bias is None and shared.down_proj.bias is None)  # fmt: skip
+        self.experts.fuse(shared if fits else None)
+        if not fits:
+            shared.gate_up.stack()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         path = routed_path(x, ids, len(self.experts))
         if path == "gemv" and (shared := self.shared_experts.stacked_weights()) is not None:
             return self.experts.forward_gemv(x, weights, ids, shared=shared)  # one pair of kernels for both
+        if path == "all" and FOLD_SHARED and hasattr(self.experts, "gate_up_with_shared"):
+            return self.experts.forward_all_experts(x, weights, ids, with_shared=True)  # one matmul pair for both
         return self.experts(x, weights, ids, addend=self.shared_experts(x), path=path)

@@ -316,8 +316,7 @@ class KimiLinearForCausalLM(nn.Module):
     def post_load(self) -> None:
         for layer in self.model.layers:
             if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.experts.fuse()
-                layer.mlp.shared_experts.gate_up.stack()
+                layer.mlp.fuse()
             elif isinstance(layer.mlp, GatedMLP):
                 layer.mlp.gate_up.stack()
             if isinstance(layer.self_attn, KimiDeltaAttention):
