@@ -126,9 +126,10 @@ def bench_hf(model: str, prompts: list[list[int]], output_len: int):
     return elapsed, out[:, width:].tolist()
 
 
-def bench_scheduler(model: str, num_requests: int, steps: int, prefix_caching: bool) -> tuple[float, float]:
+def bench_scheduler(model: str, num_requests: int, steps: int, prefix_caching: bool,
+                    prompt_len: int = 16) -> tuple[float, float]:  # fmt: skip
     """Microseconds per step for schedule() and update() with num_requests decoding requests."""
-    prompt_len, block_size, warmup = 16, 16, 4
+    block_size, warmup = 16, 4
     max_len = prompt_len + warmup + steps + 2
     config = EngineConfig(model=model, max_num_seqs=num_requests, max_model_len=max_len,
                           max_num_batched_tokens=num_requests * prompt_len, block_size=block_size)
@@ -195,10 +196,13 @@ def main() -> None:
         print(f"greedy outputs identical for {same}/{n} requests")
 
     print(f"\nscheduler, {args.sched_requests} decoding requests, {args.sched_steps} steps (fixed-token runner)")
-    print(f"{'prefix caching':<34}{'schedule us':>12}{'update us':>12}{'step us':>12}")
-    for caching in (False, True):
-        sched_us, update_us = bench_scheduler(args.model, args.sched_requests, args.sched_steps, caching)
-        print(f"{'on' if caching else 'off':<34}{sched_us:>12.0f}{update_us:>12.0f}{sched_us + update_us:>12.0f}")
+    print(f"{'prompt tokens, prefix caching':<34}{'schedule us':>12}{'update us':>12}{'step us':>12}")
+    for prompt_len in (16, 1024):
+        for caching in (False, True):
+            sched_us, update_us = bench_scheduler(args.model, args.sched_requests, args.sched_steps, caching,
+                                                  prompt_len)  # fmt: skip
+            label = f"{prompt_len}, {'on' if caching else 'off'}"
+            print(f"{label:<34}{sched_us:>12.0f}{update_us:>12.0f}{sched_us + update_us:>12.0f}")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,39 @@ def test_prefix_hit_reuses_blocks_and_leaves_one_token():
     assert kv.all_free()
 
 
+def test_each_full_block_is_offered_to_the_prefix_cache_once():
+    """A block's hash is registered when the block fills, not again on each later step (that cost grew with
+    the context); blocks filled while decoding are found by a later request; a preempted request offers its
+    new blocks afresh."""
+    sched, kv = _make(block_size=4)
+    offered, register = [], kv.blocks.register
+    kv.blocks.register = lambda block, block_hash: (offered.append(block), register(block, block_hash))[-1]
+    first = _req(0, 6, max_tokens=11)  # 17 tokens, 16 of them computed: 4 full blocks, 2 filled while decoding
+    sched.add_request(first)
+    while sched.num_unfinished:
+        _fake_step(sched)
+    assert len(offered) == 4 and len(set(offered)) == 4
+    second = Request("r1", first.all_token_ids, first.sampling_params)
+    sched.add_request(second)
+    out = sched.schedule()
+    assert out.scheduled[0].context_len == 16 and out.scheduled[0].block_ids[:4] == offered
+    sched.finish_request("r1", RequestStatus.FINISHED_ABORTED)
+    assert kv.all_free()
+
+    sched, kv = _make(num_blocks=4, block_size=4, max_model_len=16)
+    requests = [_req(0, 7, max_tokens=8), _req(1, 7, max_tokens=8)]
+    for request in requests:
+        sched.add_request(request)
+    preempted = []
+    while sched.num_unfinished:
+        _fake_step(sched)
+        preempted += [r for r in requests if r.status == RequestStatus.PREEMPTED and r not in preempted]
+        for r in preempted:
+            if r.status == RequestStatus.PREEMPTED:
+                assert r.num_offered_blocks == 0 and r.block_ids == []
+    assert preempted and kv.all_free()
+
+
 def test_abort_while_waiting_and_running():
     sched, kv = _make()
     sched.add_request(_req(0, 5))

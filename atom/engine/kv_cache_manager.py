@@ -157,13 +157,17 @@ class KVCacheManager:
         return new
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register hashes for blocks whose tokens are all computed."""
+        """Register hashes for blocks whose tokens are all computed.
+
+        Each block is offered once, when it fills (every step re-offering all of a request's blocks cost
+        O(context) a step). A block whose hash another block holds already stays unregistered."""
         if not self.enable_prefix_caching:
             return
         self._update_hashes(request)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        for i in range(num_full):
+        for i in range(request.num_offered_blocks, num_full):
             self.blocks.register(request.block_ids[i], request.block_hashes[i])
+        request.num_offered_blocks = max(request.num_offered_blocks, num_full)
 
     def _update_hashes(self, request: Request) -> None:
         bs = self.block_size
@@ -188,6 +192,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.blocks.release(request.block_ids)
         request.block_ids = []
+        request.num_offered_blocks = 0
         if request.state_slot is not None:
             self.states.release(request.state_slot)
             request.state_slot = None

@@ -69,8 +69,10 @@ class Request:
     state_slot: int | None = None  # first slot of this request's recurrent-state group
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    # Prefix-cache bookkeeping: hashes of the full blocks of all_token_ids.
+    # Prefix-cache bookkeeping: hashes of the full blocks of all_token_ids, and how many of the request's
+    # blocks have been offered to the cache (KVCacheManager.cache_full_blocks).
     block_hashes: list[int] = field(default_factory=list)
+    num_offered_blocks: int = 0
     num_cached_tokens: int = 0
     # Output bookkeeping for the front end.
     logprobs: list[dict[int, float]] = field(default_factory=list)
