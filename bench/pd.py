@@ -5,14 +5,16 @@ Three `atom-engine serve` processes (producer, consumer, colocated) and the rout
 process). For each prompt, streamed and greedy: time to first token (TTFT) and time per output
 token after the first (TPOT), colocated and 1P1D; the two must produce the same tokens.
 
-Transfer figures: the producer runs under a wrapper that times each ``MooncakeTransfer.write``
-(one per request: every block of every layer, and the state slot) and logs its bytes, seconds and
-run lengths. Then this process replays the same run lengths as a raw ``batch_transfer_sync_write``
-from its own Mooncake engine into a separate target process, so both figures share the machine
-and the moment.
+Transfer figures: the producer and the consumer run under a wrapper that times each
+``MooncakeTransfer.write`` (one per request: every block of every layer, and the state slot) and,
+where the bytes go through a host buffer (``--kv-buffer-device cpu``, the default on a GPU), each
+gather into it and scatter out of it; each logs its bytes, seconds and (writes) run lengths. Then
+this process replays the writes' run lengths as a raw ``batch_transfer_sync_write`` from its own
+Mooncake engine into a separate target process, so both figures share the machine and the moment.
 
     python bench/pd.py [--model llama|kimi|PATH] [--prompt-lens 256,512,1024] [--output-len 32]
-                       [--repeats 3] [--speculative-config JSON]
+                       [--repeats 3] [--speculative-config JSON] [--device cpu|cuda]
+                       [--kv-buffer-device auto|cpu|cache]
 """
 
 from __future__ import annotations
@@ -41,27 +43,43 @@ MAX_BATCH = 1024  # Mooncake refuses more than 2048 entries per batch to one pee
 # -- the producer, with its writes timed ------------------------------------------------------------
 
 def serve_timed(argv: list[str]) -> int:
-    """`atom-engine serve ARGV` whose Mooncake writes each log one `pd_transfer {json}` line to stderr."""
+    """`atom-engine serve ARGV` whose Mooncake writes, gathers and scatters each log one
+    `pd_transfer {json}` line to stderr."""
     from atom import cli
-    from atom.kv_transfer.mooncake import transfer
+    from atom.kv_transfer.mooncake import staging, transfer
+
+    def log(kind: str, nbytes: int, start: float, **extra) -> None:
+        line = {"kind": kind, "bytes": nbytes, "seconds": time.perf_counter() - start, **extra}
+        print(TRANSFER_TAG + json.dumps(line), file=sys.stderr, flush=True)
 
     write = transfer.MooncakeTransfer.write
+    gather, scatter = staging.BlockMover.gather, staging.BlockMover.scatter
 
     def timed_write(self, peer, entries, deadline):
         runs = [n for _, _, n in transfer.merge_runs(entries)]
         start = time.perf_counter()
         write(self, peer, entries, deadline)
-        seconds = time.perf_counter() - start
-        print(TRANSFER_TAG + json.dumps({"bytes": sum(runs), "seconds": seconds, "runs": runs}), file=sys.stderr,
-              flush=True)
+        log("write", sum(runs), start, runs=runs)
+
+    def timed_gather(self, block_ids, state_slot, host):
+        start = time.perf_counter()
+        gather(self, block_ids, state_slot, host)
+        log("gather", host.numel(), start)
+
+    def timed_scatter(self, host, block_ids, state_slot):
+        start = time.perf_counter()
+        scatter(self, host, block_ids, state_slot)
+        log("scatter", host.numel(), start)
 
     transfer.MooncakeTransfer.write = timed_write
+    staging.BlockMover.gather, staging.BlockMover.scatter = timed_gather, timed_scatter
     return cli.main(["serve", *argv])
 
 
-def read_transfers(log_path: str) -> list[dict]:
+def read_transfers(log_path: str, kind: str) -> list[dict]:
     with open(log_path) as f:
-        return [json.loads(line[len(TRANSFER_TAG):]) for line in f if line.startswith(TRANSFER_TAG)]
+        lines = [json.loads(line[len(TRANSFER_TAG):]) for line in f if line.startswith(TRANSFER_TAG)]
+    return [line for line in lines if line["kind"] == kind]
 
 
 # -- a raw Mooncake write of the same bytes -------------------------------------------------------------
@@ -187,6 +205,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--speculative-config", help="passed to every server")
     parser.add_argument("--keep-logs", action="store_true", help="print where the server logs are")
+    parser.add_argument("--device", default="cpu", help="passed to every server")
+    parser.add_argument("--kv-buffer-device", default="auto", choices=["auto", "cpu", "cache"],
+                        help="the connector's kv_buffer_device on both P/D sides")
     args = parser.parse_args()
 
     os.environ.update(MOONCAKE_ENV)  # this process's own Mooncake engine too (the raw write)
@@ -203,15 +224,16 @@ def main() -> None:
     prompts = [[(7 * i + n) % 300 + 3 for i in range(n)] for n in lens]
     # No prefix caching: the repeats would otherwise skip their prefill.
     common = ["--model", model, "--dtype", "float32", "--served-model-name", "m", "--no-enable-prefix-caching",
-              "--max-model-len", str(max(lens) + args.output_len + 8)]
+              "--max-model-len", str(max(lens) + args.output_len + 8), "--device", args.device]
     if args.speculative_config:
         common += ["--speculative-config", args.speculative_config]
 
     timed = [sys.executable, os.path.abspath(__file__), "--serve-timed"]
-    procs = {"producer": ServeProcess(common + ["--kv-transfer-config", kv_config("kv_producer")],
+    buffer = {"kv_buffer_device": args.kv_buffer_device}
+    procs = {"producer": ServeProcess(common + ["--kv-transfer-config", kv_config("kv_producer", **buffer)],
                                       os.path.join(work, "producer.log"), command=timed),
-             "consumer": ServeProcess(common + ["--kv-transfer-config", kv_config("kv_consumer")],
-                                      os.path.join(work, "consumer.log")),
+             "consumer": ServeProcess(common + ["--kv-transfer-config", kv_config("kv_consumer", **buffer)],
+                                      os.path.join(work, "consumer.log"), command=timed),
              "colocated": ServeProcess(common, os.path.join(work, "colocated.log"))}
     try:
         for proc in procs.values():
@@ -222,13 +244,20 @@ def main() -> None:
     finally:
         stop_all(list(procs.values()))
 
-    print(f"model {args.model}, output {args.output_len} tokens, median of {args.repeats}, "
-          f"spec {args.speculative_config or 'off'}")
+    print(f"model {args.model} on {args.device}, output {args.output_len} tokens, median of {args.repeats}, "
+          f"spec {args.speculative_config or 'off'}, kv_buffer_device {args.kv_buffer_device}")
     print(f"{'prompt':>7} {'mode':>10} {'TTFT ms':>9} {'TPOT ms':>9}  same tokens")
     for n, mode, ttft, tpot, same in rows:
         print(f"{n:>7} {mode:>10} {ttft * 1e3:>9.1f} {tpot * 1e3:>9.2f}  {same}")
 
-    transfers = read_transfers(procs["producer"].log_path)[1:]  # [0]: the warm-up request's
+    # [1:]: leave out the warm-up request's.
+    for what, proc, kind in [("producer gathers", "producer", "gather"), ("consumer scatters", "consumer", "scatter")]:
+        moves = read_transfers(procs[proc].log_path, kind)[1:]
+        if moves:
+            nbytes, seconds = sum(m["bytes"] for m in moves), sum(m["seconds"] for m in moves)
+            print(f"host buffer: {what} {nbytes / 2**20:.1f} MiB in {len(moves)} calls, {seconds * 1e3:.1f} ms "
+                  f"({nbytes / seconds / 1e9:.2f} GB/s)")
+    transfers = read_transfers(procs["producer"].log_path, "write")[1:]
     if not transfers:
         print("no transfers were logged by the producer")
         return

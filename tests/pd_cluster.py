@@ -134,7 +134,7 @@ def wait_all_free(url: str, timeout: float = 20.0) -> None:
     while True:
         m = metrics(url)
         held = {k: m[k] for k in ("atom_kv_block_usage", "atom_state_slot_usage", "atom_num_requests_running",
-                                  "atom_num_requests_waiting") if m.get(k)}
+                                  "atom_num_requests_waiting", "atom_kv_transfer_buffer_bytes_lent") if m.get(k)}
         if not held:
             return
         if time.monotonic() > deadline:

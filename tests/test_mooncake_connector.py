@@ -60,7 +60,8 @@ def make_caches(num_blocks: int, num_slots: int, seed: int):
 
 
 # -- a peer process -------------------------------------------------------------------
-def _peer_main(conn, role, seed, num_blocks, num_slots, write_delay_s, write_entered, lease_seconds) -> None:
+def _peer_main(conn, role, seed, num_blocks, num_slots, write_delay_s, write_entered, lease_seconds,
+               buffer) -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     os.environ["MC_LOG_LEVEL"] = "ERROR"
     torch.set_num_threads(1)
@@ -84,15 +85,17 @@ def _peer_main(conn, role, seed, num_blocks, num_slots, write_delay_s, write_ent
             return real_write(self, *args)
 
         transfer.MooncakeTransfer.write = slow_write
-    asyncio.run(_Peer(conn, role, seed, num_blocks, num_slots, records, lease_seconds).run())
+    asyncio.run(_Peer(conn, role, seed, num_blocks, num_slots, records, lease_seconds, buffer).run())
 
 
 class _Peer:
-    def __init__(self, conn, role, seed, num_blocks, num_slots, records, lease_seconds):
+    def __init__(self, conn, role, seed, num_blocks, num_slots, records, lease_seconds, buffer):
         self.conn, self.records = conn, records
         self.caches, kinds = make_caches(num_blocks, num_slots, seed)
+        buffer_device, buffer_size = buffer  # ("cpu", bytes): through a host buffer (staging.py)
         cfg = KVTransferConfig("mooncake", role, host="127.0.0.1", lease_seconds=lease_seconds,
-                               transfer_timeout=TRANSFER_TIMEOUT)
+                               transfer_timeout=TRANSFER_TIMEOUT, kv_buffer_device=buffer_device,
+                               kv_buffer_size=buffer_size)
         self.sched, self.worker = make_connector(cfg, block_size=BLOCK_SIZE, caches=self.caches,
                                                  cache_kinds=kinds, engine_id=role)
         self.num_finished = 0
@@ -168,6 +171,26 @@ class _Peer:
             await asyncio.sleep(0.01)
         return "stuck", None, time.monotonic() - start
 
+    async def load_many(self, loads):
+        """Consumer: several loads at once, [(request_id, params, block_ids, state_slot)] -> their ends."""
+        for request_id, params, block_ids, state_slot in loads:
+            req = Request(request_id, list(range(params["num_tokens"])), SamplingParams(max_tokens=4))
+            req.kv_transfer_params = params
+            assert self.sched.num_remote_tokens(req) == req.num_prompt_tokens
+            req.block_ids, req.state_slot = list(block_ids), state_slot
+            self.sched.after_alloc(req)
+        self.worker.handle(self.sched.build_metadata())
+        ends, start = {}, time.monotonic()
+        while len(ends) < len(loads) and time.monotonic() - start < 30:
+            loaded, failed, _ = self.sched.update(self.worker.take_output())
+            ends |= {r: ("loaded", None) for r in loaded} | {r: ("failed", e) for r, e in failed.items()}
+            await asyncio.sleep(0.01)
+        return [ends.get(request_id, ("stuck", None)) for request_id, *_ in loads]
+
+    async def buffer(self):
+        """(bytes of the host buffer lent now, bytes staged through it so far)."""
+        return self.worker.host_buffer_bytes_lent, self.worker.staged_bytes
+
     async def snapshot(self):
         buf = io.BytesIO()
         torch.save(self.caches, buf)
@@ -178,12 +201,13 @@ class _Peer:
 
 
 class PeerHandle:
-    def __init__(self, role, num_blocks, num_slots, seed, write_delay_s=0.0, lease_seconds=60.0):
+    def __init__(self, role, num_blocks, num_slots, seed, write_delay_s=0.0, lease_seconds=60.0,
+                 buffer=("cache", 1 << 30)):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.write_entered = ctx.Event()
         self.proc = ctx.Process(target=_peer_main, daemon=True, args=(
-            child, role, seed, num_blocks, num_slots, write_delay_s, self.write_entered, lease_seconds))
+            child, role, seed, num_blocks, num_slots, write_delay_s, self.write_entered, lease_seconds, buffer))
         self.proc.start()
 
     def ready(self):
@@ -234,6 +258,23 @@ def peers():
         for peer in (producer, consumer, slow):
             peer.stop()
         for peer in (producer, consumer, slow):
+            peer.join()
+
+
+STAGED_BUFFER = ("cpu", 8192)  # one 5-block transfer at a time (6560 bytes packed), or two of 2 blocks
+
+
+@pytest.fixture(scope="module")
+def staged():
+    """A producer and a consumer that move everything through a small host buffer (staging.py)."""
+    producer = PeerHandle("kv_producer", **PRODUCER, buffer=STAGED_BUFFER)
+    consumer = PeerHandle("kv_consumer", **CONSUMER, buffer=STAGED_BUFFER)
+    try:
+        yield producer.ready(), consumer.ready()
+    finally:
+        for peer in (producer, consumer):
+            peer.stop()
+        for peer in (producer, consumer):
             peer.join()
 
 
@@ -347,6 +388,25 @@ def test_scheduler_half_consumer_validates_params():
     meta = sched.build_metadata()
     assert [(s.request_id, s.block_ids, s.state_slot) for s in meta.loads] == [("c", [1, 2, 3], 6)]
     assert meta.cancelled_loads == ["c"]
+
+
+def test_host_buffer_settings_are_checked(kimi_ckpt):
+    from atom.config import EngineConfig
+    from atom.engine.engine_core import EngineCore
+
+    for bad, match in [({"kv_buffer_device": "gpu"}, "kv_buffer_device 'gpu' must be 'auto', 'cpu' or 'cache'"),
+                       ({"kv_buffer_size": 0}, "kv_buffer_size must be a positive number of bytes")]:
+        with pytest.raises(ValueError, match=match):
+            KVTransferConfig.from_dict({"kv_connector": "mooncake", "kv_role": "kv_consumer", **bad})
+    on = lambda device, where: KVTransferConfig("mooncake", "kv_consumer", kv_buffer_device=where).uses_host_buffer(
+        torch.device(device))  # noqa: E731
+    assert on("cuda", "auto") and not on("cpu", "auto") and on("cpu", "cpu") and not on("cuda", "cache")
+    # A buffer that cannot hold one request of max_model_len is refused before anything starts.
+    config = EngineConfig(model=kimi_ckpt, dtype="float32", kv_transfer_config={
+        "kv_connector": "mooncake", "kv_role": "kv_consumer", "kv_buffer_device": "cpu", "kv_buffer_size": 4096})
+    with pytest.raises(ValueError, match=r"kv_buffer_size=4096 bytes cannot hold one \d+-token request's KV and "
+                                         r"state \(\d+ bytes\); raise kv_buffer_size to at least \d+"):
+        EngineCore(config)
 
 
 def test_merge_runs():
@@ -473,6 +533,73 @@ def test_producer_gone_before_the_pull_fails_fast(peers):
     status, error, elapsed = consumer.call("load", "c6", params, [0, 1], 0)
     assert status == "failed" and f"lost producer 127.0.0.1:{params['remote_port']}" in error, error
     assert elapsed < 2
+
+
+def packed_size(num_blocks: int) -> int:
+    """make_caches' bytes for that many blocks and one slot: 640 + 2 x 320 a block, 30 + 128 the slot,
+    each tensor's part starting on 16 bytes."""
+    return num_blocks * 1280 + 160
+
+
+@pytest.mark.parametrize("sides", ["staged->cache", "cache->staged", "staged->staged"])
+def test_transfer_through_host_buffers_moves_the_same_bytes(peers, staged, sides):
+    producer = staged[0] if sides.startswith("staged") else peers[0]
+    consumer = staged[1] if sides.endswith("staged") else peers[1]
+    p_before, c_before = producer.caches(), consumer.caches()
+    p_staged, c_staged = producer.call("buffer")[1], consumer.call("buffer")[1]
+    params = producer.call("finish", 18, [5, 6, 7, 2, 9, 13], 2, 1)
+    dst = [3, 4, 0, 10, 11]
+    status, error, _ = consumer.call("load", f"h-{sides}", params, dst, 5)
+    assert (status, error) == ("loaded", None)
+    assert_caches_equal(consumer.caches(), expected_after(c_before, p_before, [5, 6, 7, 2, 9], dst, 3, 5))
+    assert_caches_equal(producer.caches(), p_before)
+    assert producer.call("wait_released", params["transfer_id"], 5)[0]
+    # What went through a host buffer was counted, and every region went back.
+    assert producer.call("buffer") == (0, p_staged + (packed_size(5) if producer in staged else 0))
+    assert consumer.call("buffer") == (0, c_staged + (packed_size(5) if consumer in staged else 0))
+
+
+def test_loads_wait_for_room_in_the_host_buffer(staged):
+    producer, consumer = staged
+    p_before, c_before = producer.caches(), consumer.caches()
+    # Two 5-block transfers and one of 2 blocks; each buffer holds one 5-block transfer at a time,
+    # so on both sides the later ones wait for a region.
+    src = [([0, 1, 2, 3, 4], 0), ([5, 6, 7, 8, 9], 1), ([10, 11], 2)]
+    dst = [([0, 1, 2, 3, 4], 0), ([5, 6, 7, 8, 9], 3), ([10, 11], 6)]
+    params = [producer.call("finish", 4 * len(blocks), blocks, slot, 0) for blocks, slot in src]
+    loads = [(f"w{i}", p, blocks, slot) for i, (p, (blocks, slot)) in enumerate(zip(params, dst))]
+    ends = consumer.call("load_many", loads)
+    assert ends == [("loaded", None)] * 3
+    want = c_before
+    for (s_blocks, s_slot), (d_blocks, d_slot) in zip(src, dst):
+        want = expected_after(want, p_before, s_blocks, d_blocks, s_slot, d_slot)
+    assert_caches_equal(consumer.caches(), want)
+    for p in params:
+        assert producer.call("wait_released", p["transfer_id"], 5)[0]
+    assert producer.call("buffer")[0] == 0 and consumer.call("buffer")[0] == 0
+    # A transfer larger than the whole buffer fails at once, naming the setting.
+    big = producer.call("finish", 28, [0, 1, 2, 3, 4, 5, 6], 0, 0, 0.5)  # 7 blocks: 9120 bytes
+    status, error, elapsed = consumer.call("load", "w-big", big, list(range(7)), 0)
+    assert status == "failed" and "kv_buffer_size" in error and elapsed < 1, error
+    assert producer.call("wait_released", big["transfer_id"], 5)[0]  # its lease
+    assert consumer.call("buffer")[0] == 0
+
+
+def test_an_unanswered_pull_keeps_its_host_region_until_no_write_can_land(peers, staged):
+    _, _, slow = peers
+    consumer = staged[1]
+    c_before = consumer.caches()
+    params = slow.call("finish", 8, [6, 7], 3, 0)
+    status, error, _ = consumer.call("load", "u1", params, [0, 1], 0)
+    assert status == "failed" and "transfer_timeout" in error, error
+    # The stalled producer could still write until its budget (half the consumer's patience) runs out.
+    assert consumer.call("buffer")[0] == packed_size(2) + 96  # regions are lent in 256-byte units
+    deadline = time.monotonic() + TRANSFER_TIMEOUT
+    while consumer.call("buffer")[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert consumer.call("buffer")[0] == 0
+    assert slow.call("wait_released", params["transfer_id"], SLOW_WRITE_S + 2)[0]
+    assert_caches_equal(consumer.caches(), c_before)
 
 
 def test_producer_stalled_or_killed_mid_transfer_fails_in_bounded_time(peers):

@@ -30,8 +30,10 @@ CONFIGS = {  # name -> (checkpoint fixture, speculative config or None)
     "llama": ("llama_ckpt", None),
     "llama-ngram": ("llama_ckpt", SPEC),
     "kimi-overlap": ("kimi_ckpt", None),  # producer and consumer with deferred output (async scheduling)
+    "kimi-host-buffer": ("kimi_ckpt", None),  # both sides move the bytes through a host buffer (staging.py)
 }
 OVERLAP = {"kimi-overlap"}
+HOST_BUFFER = {"kimi-host-buffer": {"kv_buffer_device": "cpu", "kv_buffer_size": 1 << 20}}
 # 37 tokens (a partial last block), 48 (whole blocks), and a repetitive one n-gram drafting latches onto.
 PROMPTS = [list(range(40, 77)), [(7 * i) % 300 + 3 for i in range(48)], [11, 12, 13, 14, 15, 16] * 7]
 MAX_TOKENS = 12
@@ -56,9 +58,10 @@ def clusters(request, tmp_path_factory):
                 common += ["--speculative-config", spec]
             if name in OVERLAP:
                 common += ["--async-scheduling"]
-            producer = ServeProcess(common + ["--kv-transfer-config", kv_config("kv_producer")],
+            extra = HOST_BUFFER.get(name, {})
+            producer = ServeProcess(common + ["--kv-transfer-config", kv_config("kv_producer", **extra)],
                                     str(logs / f"{name}-producer.log"))
-            consumer = ServeProcess(common + ["--kv-transfer-config", kv_config("kv_consumer")],
+            consumer = ServeProcess(common + ["--kv-transfer-config", kv_config("kv_consumer", **extra)],
                                     str(logs / f"{name}-consumer.log"))
             procs += [producer, consumer]
             started[name] = Cluster(producer, consumer, None)
@@ -106,6 +109,8 @@ def test_1p1d_through_the_router_equals_colocated(clusters, name):
         assert together == [_stream_token_ids(cluster.colocated.url, p) for p in PROMPTS]
         for server in (cluster.producer, cluster.consumer):
             wait_all_free(server.url)
+        for server in (cluster.producer, cluster.consumer):  # the host buffer carried the bytes, or was never made
+            assert (metrics(server.url).get("atom_kv_transfer_staged_bytes_total", 0) > 0) == (name in HOST_BUFFER)
         if CONFIGS[name][1]:  # the consumer decoded with speculation, starting from the producer's drafts
             assert metrics(cluster.consumer.url)["atom_spec_decode_draft_tokens_total"] > 0
         cluster.colocated.wait_idle_and_free()

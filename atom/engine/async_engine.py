@@ -273,13 +273,18 @@ class AsyncEngine:
     # -- introspection for /health and /metrics --------------------------------------
     def stats(self) -> dict[str, float]:
         sched, kv = self.core.scheduler, self.core.kv
-        return {
+        out = {
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "kv_block_usage": kv.block_usage,
             "state_slot_usage": kv.state_usage,
             "num_preemptions": sched.num_preemptions,
         }
+        worker = self.core.connector_worker
+        if worker is not None:
+            out["kv_transfer_buffer_bytes_lent"] = worker.host_buffer_bytes_lent
+            out["kv_transfer_staged_bytes"] = worker.staged_bytes
+        return out
 
     def all_resources_free(self) -> bool:
         return self.core.all_resources_free()

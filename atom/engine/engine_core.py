@@ -85,6 +85,13 @@ class EngineCore:
                  for layer, spec in self.runner.cache_specs.items()}
         self.scheduler.connector, self.connector_worker = make_connector(
             kv_config, block_size=self.config.block_size, caches=self.runner.caches, cache_kinds=kinds)
+        if kv_config.uses_host_buffer(self.runner.device):
+            need = self.connector_worker.packed_bytes(self.config.max_model_len)
+            if need > kv_config.kv_buffer_size:
+                raise ValueError(
+                    f"kv_transfer_config: kv_buffer_size={kv_config.kv_buffer_size} bytes cannot hold one "
+                    f"{self.config.max_model_len}-token request's KV and state ({need} bytes); raise "
+                    f"kv_buffer_size to at least {need} or lower max_model_len")
 
     # -- requests --------------------------------------------------------------
     def make_request(
@@ -239,4 +246,6 @@ class EngineCore:
         return m
 
     def all_resources_free(self) -> bool:
-        return self.kv.all_free()
+        """Every KV block and state slot free, and no region of a P/D host buffer lent."""
+        worker = self.connector_worker
+        return self.kv.all_free() and (worker is None or worker.host_buffer_bytes_lent == 0)

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class KVTransferConfig:
@@ -43,6 +45,11 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "fail"  # "fail" | "recompute"
     lease_seconds: float = 60.0  # producer frees held blocks if no consumer finishes by then
     transfer_timeout: float = 30.0  # consumer gives up on a load after this long
+    # Where Mooncake reads and writes: "cache" (the cache tensors themselves: GPU memory needs Mooncake's
+    # CUDA build, or rdma), "cpu" (a host buffer the blocks are gathered into and scattered from), or
+    # "auto" ("cpu" when the caches are on a GPU, else "cache").
+    kv_buffer_device: str = "auto"
+    kv_buffer_size: int = 1 << 30  # bytes of that host buffer; every transfer in flight takes a region of it
 
     def __post_init__(self) -> None:
         if self.kv_connector != "mooncake":
@@ -55,6 +62,10 @@ class KVTransferConfig:
             raise ValueError("kv_load_failure_policy must be 'fail' or 'recompute'")
         if not 0 <= self.handshake_port < 65536:
             raise ValueError("handshake_port must be in [0, 65535]")
+        if self.kv_buffer_device not in ("auto", "cpu", "cache"):
+            raise ValueError(f"kv_buffer_device {self.kv_buffer_device!r} must be 'auto', 'cpu' or 'cache'")
+        if not isinstance(self.kv_buffer_size, int) or self.kv_buffer_size <= 0:
+            raise ValueError("kv_buffer_size must be a positive number of bytes")
         if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_seconds and transfer_timeout must be positive")
 
@@ -69,6 +80,12 @@ class KVTransferConfig:
     @property
     def is_producer(self) -> bool:
         return self.kv_role == "kv_producer"
+
+    def uses_host_buffer(self, cache_device) -> bool:
+        """Whether transfers go through the host buffer for caches on ``cache_device``."""
+        if self.kv_buffer_device == "auto":
+            return torch.device(cache_device).type != "cpu"
+        return self.kv_buffer_device == "cpu"
 
 
 @dataclass

@@ -32,6 +32,11 @@ class ServerMetrics:
         self.waiting = Gauge("atom_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.kv_usage = Gauge("atom_kv_block_usage", "Fraction of KV cache blocks in use", registry=r)
         self.slot_usage = Gauge("atom_state_slot_usage", "Fraction of recurrent state slots in use", registry=r)
+        self.buffer_lent = Gauge("atom_kv_transfer_buffer_bytes_lent",
+                                 "P/D: bytes of the connector's host buffer lent to transfers now", registry=r)
+        self.staged = Counter("atom_kv_transfer_staged_bytes",
+                              "P/D: bytes gathered into or scattered from the connector's host buffer", registry=r)
+        self._staged_seen = 0
         self.spec_drafted = Counter("atom_spec_decode_draft_tokens", "Draft tokens proposed and verified",
                                     registry=r)
         self.spec_accepted = Counter("atom_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -73,4 +78,8 @@ class ServerMetrics:
         self.waiting.set(engine_stats["num_waiting"])
         self.kv_usage.set(engine_stats["kv_block_usage"])
         self.slot_usage.set(engine_stats["state_slot_usage"])
+        self.buffer_lent.set(engine_stats.get("kv_transfer_buffer_bytes_lent", 0))
+        staged = engine_stats.get("kv_transfer_staged_bytes", 0)
+        self.staged.inc(staged - self._staged_seen)
+        self._staged_seen = staged
         return generate_latest(self.registry)

@@ -47,8 +47,16 @@ class TensorLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_units: NonNegInt
 
 
+class HostRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A registered run of the consumer's host buffer (staging.py)."""
+
+    addr: NonNegInt
+    nbytes: Annotated[int, msgspec.Meta(gt=0)]
+
+
 class Pull(msgspec.Struct, tag="pull", tag_field="type", frozen=True, forbid_unknown_fields=True):
-    """Consumer -> producer: write transfer ``transfer_id`` into these blocks and slot.
+    """Consumer -> producer: write transfer ``transfer_id`` into these blocks and slot, or, when
+    ``dst_packed`` is set, packed into that region of the consumer's host buffer (staging.py).
 
     ``budget_s``: the producer starts no write after this long from receipt, so that no
     write lands after the consumer has given up and reused the blocks."""
@@ -59,6 +67,7 @@ class Pull(msgspec.Struct, tag="pull", tag_field="type", frozen=True, forbid_unk
     dst_block_ids: list[NonNegInt]
     dst_state_slot: Annotated[int, msgspec.Meta(ge=-1)]
     budget_s: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+    dst_packed: HostRegion | None = None
 
 
 class Done(msgspec.Struct, tag="done", tag_field="type", frozen=True, forbid_unknown_fields=True):

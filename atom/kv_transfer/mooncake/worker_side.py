@@ -14,6 +14,12 @@ report, then Done. A load cancelled midway is still awaited and reported (as fai
 Canonical layout: cache layers in id order, each layer's tensors in order; one entry
 per tensor: (addr, unit_bytes, num_units), a unit being a block ("block" layers) or a
 slot ("slot" layers).
+
+Host buffer (``kv_buffer_device="cpu"``, the default for caches on a GPU; staging.py):
+Mooncake then touches only a registered host buffer. The producer gathers the held blocks
+and slot into a region of its buffer when a Pull comes and writes from there; the consumer
+names a region of its buffer in the Pull and scatters it into its blocks and slot once the
+reply says the bytes landed. Either side may do this without the other.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import torch
 from atom.kv_transfer.base import ConnectorMetadata, ConnectorOutput, HoldSpec, KVTransferConfig, LoadSpec
 from atom.kv_transfer.mooncake.scheduler_side import MooncakeConnectorScheduler, cdiv
 from atom.kv_transfer.mooncake.side_channel import (
-    ClientMessage, Done, FrameError, Pull, Reply, SideChannelClient, SideChannelServer, TensorLayout, bind_listener,
+    ClientMessage, Done, FrameError, HostRegion, Pull, Reply, SideChannelClient, SideChannelServer, TensorLayout,
+    bind_listener,
 )
+from atom.kv_transfer.mooncake.staging import BlockMover, HostBuffer, packed_bytes, packed_offsets
 from atom.kv_transfer.mooncake.transfer import MooncakeTransfer
 
 logger = logging.getLogger(__name__)
@@ -77,6 +85,12 @@ class MooncakeConnectorWorker:
         self._num_blocks = min((e.num_units for k, e in zip(self._kinds, self._layout) if k == "block"), default=0)
         self._num_slots = min((e.num_units for k, e in zip(self._kinds, self._layout) if k == "slot"), default=0)
         self._has_slots = "slot" in self._kinds
+        tensors = [t for layer in sorted(caches) for t in caches[layer]]
+        self._cache_device = tensors[0].device if tensors else torch.device("cpu")
+        # Through a host buffer: its regions are lent per transfer; the buffer is made in start().
+        self._mover = BlockMover(tensors, self._kinds) if kv_config.uses_host_buffer(self._cache_device) else None
+        self._host: HostBuffer | None = None
+        self.staged_bytes = 0  # gathered into or scattered from the host buffer, in all
 
         self._transfer = MooncakeTransfer(kv_config.host, kv_config.protocol, kv_config.device_name)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-write")
@@ -114,8 +128,20 @@ class MooncakeConnectorWorker:
 
     def _start_transfer(self) -> None:
         self._transfer.start()
-        for entry, nbytes in zip(self._layout, self._nbytes):
-            self._transfer.register(entry.addr, nbytes)
+        if self._mover is None:
+            for entry, nbytes in zip(self._layout, self._nbytes):
+                self._transfer.register(entry.addr, nbytes)
+        else:  # only the host buffer: Mooncake never sees the caches
+            self._host = HostBuffer(self.kv_config.kv_buffer_size, pin=self._cache_device.type == "cuda")
+            self._transfer.register(self._host.addr, self._host.nbytes)
+
+    def packed_bytes(self, num_tokens: int) -> int:
+        """Bytes of one request's blocks and slot for a prompt of ``num_tokens``."""
+        return packed_bytes(self._kinds, [e.unit_bytes for e in self._layout], cdiv(num_tokens, self._block_size))
+
+    @property
+    def host_buffer_bytes_lent(self) -> int:
+        return self._host.bytes_lent if self._host is not None else 0
 
     async def shutdown(self) -> None:
         if self._server is not None:
@@ -203,15 +229,27 @@ class MooncakeConnectorWorker:
         if error is not None:
             return _refuse(pull.transfer_id, error)
         hold.pulling = True
-        entries = self._write_entries(pull, hold)
         deadline = time.monotonic() + pull.budget_s
         loop = asyncio.get_running_loop()
+        region = None
         try:
+            if self._host is not None:  # gather into a region of the host buffer and write from there
+                nbytes = self._packed_size(len(hold.src_block_ids))
+                region = await self._host.acquire(nbytes, pull.budget_s)
+                await loop.run_in_executor(self._executor, self._mover.gather, hold.src_block_ids,
+                                           hold.spec.state_slot, self._host.region(region, nbytes))
+                self.staged_bytes += nbytes
+            entries = self._write_entries(pull, hold, region)
             await loop.run_in_executor(self._executor, self._transfer.write, pull.consumer_session, entries, deadline)
         except Exception as e:
-            logger.warning("P/D transfer %s to %s failed: %s", pull.transfer_id, pull.consumer_session, e)
+            why = str(e) or ("no room in the host buffer within the budget" if isinstance(e, asyncio.TimeoutError)
+                             else type(e).__name__)
+            logger.warning("P/D transfer %s to %s failed: %s", pull.transfer_id, pull.consumer_session, why)
             self._release(pull.transfer_id, "write failed")  # the id is spent; the consumer fails or recomputes
-            return Reply(pull.transfer_id, ok=False, error=f"write failed: {e}")
+            return Reply(pull.transfer_id, ok=False, error=f"write failed: {why}")
+        finally:
+            if region is not None:  # every write from it has returned (the awaits above)
+                self._host.give_back(region)
         hold.pulling, hold.pulled = False, True
         if hold.release_after_write:
             self._release(pull.transfer_id, "released while writing")
@@ -232,20 +270,42 @@ class MooncakeConnectorWorker:
                 return OUTSIDE_REGIONS
             if kind == "slot" and not 0 <= pull.dst_state_slot < entry.num_units:
                 return OUTSIDE_REGIONS
+        if pull.dst_packed is not None and pull.dst_packed.nbytes < self._packed_size(len(hold.src_block_ids)):
+            return (f"the destination region of {pull.dst_packed.nbytes} bytes is smaller than the "
+                    f"{self._packed_size(len(hold.src_block_ids))} bytes to write")
         return None
 
-    def _write_entries(self, pull: Pull, hold: _Hold) -> list[tuple[int, int, int]]:
-        """Source block i -> destination block i in every block tensor; the held slot -> the
-        consumer's slot in every slot tensor."""
-        entries = []
-        for kind, src, dst in zip(self._kinds, self._layout, pull.layout):
-            unit = src.unit_bytes
-            if kind == "block":
-                entries += [(src.addr + s * unit, dst.addr + d * unit, unit)
-                            for s, d in zip(hold.src_block_ids, pull.dst_block_ids)]
-            else:
-                entries.append((src.addr + hold.spec.state_slot * unit, dst.addr + pull.dst_state_slot * unit, unit))
-        return entries
+    def _packed_size(self, num_blocks: int) -> int:
+        return packed_bytes(self._kinds, [e.unit_bytes for e in self._layout], num_blocks)
+
+    def _write_entries(self, pull: Pull, hold: _Hold, region: int | None) -> list[tuple[int, int, int]]:
+        """(src, dst, bytes) per unit, in the canonical order: source block i -> destination block i
+        in every block tensor, the held slot -> the consumer's slot in every slot tensor. A side
+        that goes through its host buffer has its units packed there instead (staging.py)."""
+        num_blocks = len(hold.src_block_ids)
+        if region is None:
+            src = self._unit_addrs(self._layout, hold.src_block_ids, hold.spec.state_slot)
+        else:
+            src = self._packed_addrs(self._host.addr + region, num_blocks)
+        if pull.dst_packed is None:
+            dst = self._unit_addrs(pull.layout, pull.dst_block_ids, pull.dst_state_slot)
+        else:
+            dst = self._packed_addrs(pull.dst_packed.addr, num_blocks)
+        return [(s, d, unit) for (s, unit), (d, _) in zip(src, dst)]
+
+    def _unit_addrs(self, layout: list[TensorLayout], block_ids: list[int], slot: int) -> list[tuple[int, int]]:
+        out = []
+        for kind, entry in zip(self._kinds, layout):
+            ids = block_ids if kind == "block" else [slot]
+            out += [(entry.addr + i * entry.unit_bytes, entry.unit_bytes) for i in ids]
+        return out
+
+    def _packed_addrs(self, base: int, num_blocks: int) -> list[tuple[int, int]]:
+        units = [e.unit_bytes for e in self._layout]
+        out = []
+        for kind, unit, start in zip(self._kinds, units, packed_offsets(self._kinds, units, num_blocks)):
+            out += [(base + start + i * unit, unit) for i in range(num_blocks if kind == "block" else 1)]
+        return out
 
     # -- consumer ----------------------------------------------------------------------
     def _cancel(self, request_id: str) -> None:
@@ -266,31 +326,49 @@ class MooncakeConnectorWorker:
         deadline = loop.time() + timeout
         client: SideChannelClient | None = None
         error: str | None = None
+        region: tuple[int, int] | None = None  # (offset, bytes) in the host buffer
+        pulled = False  # a Pull went out: until its reply, a write may land in the destination
         try:
-            pull = self._make_pull(spec)
-            client = await asyncio.wait_for(SideChannelClient.connect(host, port), timeout)
+            pull, region = await self._make_pull(spec, timeout)
+            client = await asyncio.wait_for(SideChannelClient.connect(host, port), max(deadline - loop.time(), 0.0))
             if spec.request_id in self._cancelled:
                 error = "aborted"  # before anything was asked for; Done below frees the producer
             else:
+                pulled = True
                 reply = await asyncio.wait_for(client.call(pull), max(deadline - loop.time(), 0.0))
+                pulled = False
                 if not reply.ok or reply.transfer_id != transfer_id:
                     error = f"{where} refused transfer {transfer_id}: {reply.error}"
+                elif region is not None and spec.request_id not in self._cancelled:
+                    await loop.run_in_executor(self._executor, self._mover.scatter, self._host.region(*region),
+                                               pull.dst_block_ids, spec.state_slot)
+                    self.staged_bytes += region[1]
         except ValueError as e:
             error = str(e)
         except asyncio.TimeoutError:
-            error = f"no answer from {where} within transfer_timeout={timeout}s"
+            if region is None and self._host is not None:  # still waiting for a region
+                error = (f"no room in the host buffer (kv_buffer_size={self._host.nbytes}) within "
+                         f"transfer_timeout={timeout}s")
+            else:
+                error = f"no answer from {where} within transfer_timeout={timeout}s"
         except (OSError, FrameError) as e:
             error = f"lost {where}: {e or type(e).__name__}"
         except Exception as e:  # a bug here must still end the load, or the request waits forever
             logger.exception("P/D load of request %s", spec.request_id)
             error = f"internal error: {e!r}"
+        if region is not None:
+            if pulled:  # unanswered: the producer's budget (half our patience) bounds a late write
+                loop.call_later(self.kv_config.transfer_timeout / 2, self._host.give_back, region[0])
+            else:
+                self._host.give_back(region[0])
         self._finish_load(spec.request_id, error)
         if client is not None:
             if error is None or error == "aborted":
                 await self._say_done(client, transfer_id, where)
             await client.close()
 
-    def _make_pull(self, spec: LoadSpec) -> Pull:
+    async def _make_pull(self, spec: LoadSpec, timeout: float) -> tuple[Pull, tuple[int, int] | None]:
+        """The Pull, and the region of the host buffer it names (taken here), if any."""
         params = spec.remote
         num_blocks = len(params["block_ids"])
         if len(spec.block_ids) < num_blocks:
@@ -298,7 +376,12 @@ class MooncakeConnectorWorker:
         if self._has_slots != (spec.state_slot >= 0):
             raise ValueError(f"P/D consumer invariant broken: state slot {spec.state_slot} for a model "
                              f"{'with' if self._has_slots else 'without'} recurrent state")
-        return Pull(
+        region, packed = None, None
+        if self._host is not None:
+            nbytes = self._packed_size(num_blocks)
+            region = (await self._host.acquire(nbytes, timeout), nbytes)
+            packed = HostRegion(self._host.addr + region[0], nbytes)
+        pull = Pull(
             transfer_id=params["transfer_id"],
             consumer_session=self._transfer.session_id,
             layout=self._layout,
@@ -307,7 +390,9 @@ class MooncakeConnectorWorker:
             # Half the consumer's patience: a write still in flight when it gives up has the
             # other half to land or fail, before the blocks go back to the pool.
             budget_s=self.kv_config.transfer_timeout / 2,
+            dst_packed=packed,
         )
+        return pull, region
 
     def _finish_load(self, request_id: str, error: str | None) -> None:
         del self._tasks[request_id]

@@ -1,0 +1,86 @@
+"""P/D on a GPU: the caches live on the device, and the bytes go through each side's host buffer.
+
+A producer and a consumer ``atom-engine serve --device cuda`` (fp32, the ``atom._C`` kernels on)
+run as separate processes with a real Mooncake transfer engine over TCP on 127.0.0.1, behind the
+router. For caches on a GPU the connector's default (``kv_buffer_device="auto"``) gathers a
+request's prompt blocks and state slot with the gather kernel into pinned host memory, Mooncake
+writes them into the consumer's host buffer, and the consumer scatters them into its blocks and
+slot with the scatter kernel. Greedy tokens through the router must equal the CPU reference path's,
+one request at a time and several at once; afterwards neither server holds a block, a slot or a
+region of its host buffer.
+
+Skipped without CUDA, a built ``atom._C``, Mooncake or aiohttp.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from atom import SamplingParams
+from atom.ops._C_loader import get_C, use_kernels
+from tests import checkpoints
+
+HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and use_kernels()
+HAS_PARTS = all(importlib.util.find_spec(name) is not None for name in ("mooncake", "aiohttp"))
+pytestmark = [
+    pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C"),
+    pytest.mark.skipif(not HAS_PARTS, reason="needs the Mooncake transfer engine and aiohttp"),
+    pytest.mark.timeout(300),
+]
+
+# 37 tokens (a partial last block), 48 (whole blocks), a repetitive one; 16-token prefill chunks.
+PROMPTS = [list(range(40, 77)), [(7 * i) % 300 + 3 for i in range(48)], [11, 12, 13, 14, 15, 16] * 7]
+MAX_TOKENS = 12
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["token_ids"]
+
+
+def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
+    """Serve a random Kimi-Linear checkpoint as 1P1D on ``device``; check tokens and that all is freed."""
+    from atom import LLM
+    from tests.pd_cluster import RouterThread, ServeProcess, kv_config, metrics, stop_all, wait_all_free
+
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path / "kimi"), "kda_mla")
+    common = ["--model", path, "--dtype", "float32", "--device", device, "--served-model-name", "m",
+              "--max-num-batched-tokens", "16"]
+    procs = [ServeProcess(common + ["--kv-transfer-config", kv_config(role, **kv_extra)], str(tmp_path / f"{role}.log"))
+             for role in ("kv_producer", "kv_consumer")]
+    try:
+        llm = LLM(path, dtype="float32")  # the CPU reference path, while the servers start
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        expected = [o.outputs[0].token_ids
+                    for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
+        for proc in procs:
+            proc.wait_listening(180)
+        with RouterThread([procs[0].url], [procs[1].url]) as router:
+            one_at_a_time = [_complete(router.url, p) for p in PROMPTS]
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                together = list(pool.map(lambda p: _complete(router.url, p), PROMPTS))
+        assert one_at_a_time == expected
+        assert together == expected
+        for proc in procs:
+            wait_all_free(proc.url)  # blocks, slots and host-buffer regions
+            assert metrics(proc.url)["atom_kv_transfer_staged_bytes_total"] > 0, "the host buffer was not used"
+    except BaseException:
+        for proc in procs:
+            print(f"--- {proc.log_path}\n{proc.log_tail()}")
+        raise
+    finally:
+        stop_all(procs)
+
+
+def test_gpu_pd_through_host_buffers_matches_cpu_reference(tmp_path):
+    run_pd(tmp_path, "cuda", {})  # kv_buffer_device "auto": the host buffer, for caches on a GPU
