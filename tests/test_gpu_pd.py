@@ -82,5 +82,50 @@ def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
         stop_all(procs)
 
 
+def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch):
+    """Gathers into pinned memory and scatters from it with the kernels, byte for byte as on the CPU."""
+    from atom.kv_transfer.mooncake.staging import BlockMover, packed_bytes
+    from atom.ops import cache_ops
+
+    launches = []
+    inner = cache_ops._launch
+    monkeypatch.setattr(cache_ops, "_launch", lambda kernel, *args: (launches.append(kernel), inner(kernel, *args)))
+    g = torch.Generator().manual_seed(0)
+    cpu = [torch.randn(9, 16, 72, generator=g), torch.randn(9, 16, 36, generator=g).to(torch.bfloat16),
+           torch.randn(5, 3, 7, generator=g).to(torch.bfloat16), torch.randn(5, 4, 8, 8, generator=g)]
+    kinds = ["block", "block", "slot", "slot"]  # an odd-sized slot part: the next part is padded to 16 bytes
+    gpu = [t.cuda() for t in cpu]
+    blocks, slot = [7, 2, 5], 3
+    n = packed_bytes(kinds, BlockMover(cpu, kinds).unit_bytes, len(blocks))
+    want = torch.full((n,), 0xAB, dtype=torch.uint8)
+    got = torch.full((n,), 0xAB, dtype=torch.uint8, pin_memory=True)
+    BlockMover(cpu, kinds).gather(blocks, slot, want)
+    BlockMover(gpu, kinds).gather(blocks, slot, got)
+    assert torch.equal(got, want)
+    assert len(launches) == 4  # one gather kernel a tensor
+    # Back into other blocks and another slot of poisoned caches.
+    fresh_cpu = [torch.full_like(t, float("nan")) for t in cpu]
+    fresh_gpu = [t.cuda() for t in fresh_cpu]
+    BlockMover(fresh_cpu, kinds).scatter(want, [0, 8, 4], 1)
+    BlockMover(fresh_gpu, kinds).scatter(got, [0, 8, 4], 1)
+    assert len(launches) == 8
+    for a, b in zip(fresh_gpu, fresh_cpu):
+        assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+def test_gpu_caches_registered_directly_need_mooncakes_cuda_build():
+    from atom.kv_transfer.base import KVTransferConfig
+    from atom.kv_transfer.factory import make_connector
+    from atom.kv_transfer.mooncake.transfer import installed_without_cuda
+
+    if not installed_without_cuda():
+        pytest.skip("Mooncake's CUDA build is installed: registering GPU caches is allowed")
+    caches, kinds = {0: (torch.zeros(4, 8, device="cuda"),)}, {0: "block"}
+    with pytest.raises(ValueError, match="reads host memory only; use kv_buffer_device 'cpu'"):
+        make_connector(KVTransferConfig("mooncake", "kv_consumer", kv_buffer_device="cache"), block_size=4,
+                       caches=caches, cache_kinds=kinds)
+    make_connector(KVTransferConfig("mooncake", "kv_consumer"), block_size=4, caches=caches, cache_kinds=kinds)
+
+
 def test_gpu_pd_through_host_buffers_matches_cpu_reference(tmp_path):
     run_pd(tmp_path, "cuda", {})  # kv_buffer_device "auto": the host buffer, for caches on a GPU

@@ -9,6 +9,7 @@ one peer fails at once, so batches are cut at ``MAX_BATCH``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import time
 from collections.abc import Iterable
@@ -18,6 +19,15 @@ MAX_BATCH = 1024
 
 class TransferError(RuntimeError):
     pass
+
+
+def installed_without_cuda() -> bool:
+    """Whether the installed Mooncake is the build that reads and writes host memory only."""
+    try:
+        importlib.metadata.version("mooncake-transfer-engine-non-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def merge_runs(entries: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

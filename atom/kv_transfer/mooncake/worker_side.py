@@ -39,7 +39,7 @@ from atom.kv_transfer.mooncake.side_channel import (
     bind_listener,
 )
 from atom.kv_transfer.mooncake.staging import BlockMover, HostBuffer, packed_bytes, packed_offsets
-from atom.kv_transfer.mooncake.transfer import MooncakeTransfer
+from atom.kv_transfer.mooncake.transfer import MooncakeTransfer, installed_without_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,11 @@ class MooncakeConnectorWorker:
         self._cache_device = tensors[0].device if tensors else torch.device("cpu")
         # Through a host buffer: its regions are lent per transfer; the buffer is made in start().
         self._mover = BlockMover(tensors, self._kinds) if kv_config.uses_host_buffer(self._cache_device) else None
+        if self._mover is None and self._cache_device.type != "cpu" and installed_without_cuda():
+            raise ValueError(
+                f"kv_buffer_device 'cache' registers the caches on {self._cache_device} with Mooncake, but the "
+                "installed mooncake-transfer-engine-non-cuda reads host memory only; use kv_buffer_device 'cpu' "
+                "(or 'auto'), or install Mooncake's CUDA build (mooncake-transfer-engine) instead")
         self._host: HostBuffer | None = None
         self.staged_bytes = 0  # gathered into or scattered from the host buffer, in all
 
