@@ -99,6 +99,8 @@ class _Peer:
         self.sched, self.worker = make_connector(cfg, block_size=BLOCK_SIZE, caches=self.caches,
                                                  cache_kinds=kinds, engine_id=role)
         self.num_finished = 0
+        self.notified = 0  # the worker's on_output calls: each ended load and each released hold
+        self.worker.on_output = lambda: setattr(self, "notified", self.notified + 1)
 
     async def run(self) -> None:
         try:
@@ -186,6 +188,9 @@ class _Peer:
             ends |= {r: ("loaded", None) for r in loaded} | {r: ("failed", e) for r, e in failed.items()}
             await asyncio.sleep(0.01)
         return [ends.get(request_id, ("stuck", None)) for request_id, *_ in loads]
+
+    async def notifications(self):
+        return self.notified
 
     async def buffer(self):
         """(bytes of the host buffer lent now, bytes staged through it so far)."""
@@ -434,6 +439,7 @@ async def test_bind_failure_is_a_clear_error():
 def test_transfer_copies_exactly_the_held_blocks_and_slot(peers):
     producer, consumer, _ = peers
     p_before, c_before = producer.caches(), consumer.caches()
+    p_told, c_told = producer.call("notifications"), consumer.call("notifications")
     # 18 tokens: 5 blocks of 4. The 6th held block (the sampled token's) is not sent.
     params = producer.call("finish", 18, [5, 6, 7, 2, 9, 13], 2, 1)
     assert params["block_ids"] == [5, 6, 7, 2, 9] and params["state_slot"] == 3
@@ -446,6 +452,8 @@ def test_transfer_copies_exactly_the_held_blocks_and_slot(peers):
     assert_caches_equal(producer.caches(), p_before)
     released, _ = producer.call("wait_released", params["transfer_id"], 5)
     assert released, "the consumer's Done did not release the hold"
+    # Each side told its engine once: the consumer when the load ended, the producer when the hold went.
+    assert (producer.call("notifications"), consumer.call("notifications")) == (p_told + 1, c_told + 1)
 
 
 def test_aborted_load_is_reported_and_frees_the_producer(peers):

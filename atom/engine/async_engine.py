@@ -141,6 +141,7 @@ class AsyncEngine:
         if self._loop_task is None:
             self._wake = asyncio.Event()
             if self.core.connector_worker is not None:
+                self.core.connector_worker.on_output = self._wake.set  # a finished load wakes the loop
                 await self.core.connector_worker.start()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="atom-step-loop")
 
@@ -209,7 +210,8 @@ class AsyncEngine:
                 self.core.abort_request(request_id)
 
     async def _idle(self, poll: bool = False) -> None:
-        """Sleep until a request arrives; with transfers pending, wake often to poll them."""
+        """Sleep until a request arrives or a transfer ends; with transfers pending, also wake every
+        10 ms (leases expire without a wake-up)."""
         self._wake.clear()
         if not poll and not self.core.scheduler.has_connector_work:
             await self._wake.wait()

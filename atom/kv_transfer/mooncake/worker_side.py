@@ -28,6 +28,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,9 @@ class MooncakeConnectorWorker:
                 "(or 'auto'), or install Mooncake's CUDA build (mooncake-transfer-engine) instead")
         self._host: HostBuffer | None = None
         self.staged_bytes = 0  # gathered into or scattered from the host buffer, in all
+        # Called on the loop when there is something for take_output (a load ended, a hold was released),
+        # so that an engine waiting on transfers need not wait for its next poll.
+        self.on_output: Callable[[], None] | None = None
 
         self._transfer = MooncakeTransfer(kv_config.host, kv_config.protocol, kv_config.device_name)
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-write")
@@ -197,6 +201,11 @@ class MooncakeConnectorWorker:
         del self._holds[transfer_id]
         self._released.add(transfer_id)
         logger.debug("P/D transfer %s released: %s", transfer_id, why)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_output is not None:
+            self.on_output()
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -409,6 +418,7 @@ class MooncakeConnectorWorker:
             self._failed[request_id] = error
         else:
             self._loaded.add(request_id)
+        self._notify()
 
     async def _say_done(self, client: SideChannelClient, transfer_id: str, where: str) -> None:
         """Tell the producer to free its hold; if this fails, its lease frees it."""
