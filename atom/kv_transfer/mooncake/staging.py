@@ -111,9 +111,10 @@ class HostBuffer:
 class BlockMover:
     """Gathers a request's blocks and slot into packed host bytes, and scatters them back.
 
-    Blocking (each call waits for its copies): run it in a worker thread. On a GPU the copies run on
-    a stream of their own that first waits for the work already queued on the device's default
-    stream, where the engine's forward passes run."""
+    On a GPU the packed bytes are assembled in device memory (one gather kernel a tensor) and cross
+    to the host in one copy, and back in one copy before the scatters. Blocking (each call waits for
+    its copies): run it in a worker thread. The copies run on a stream of their own that first waits
+    for the work already queued on the device's default stream, where the engine's forward passes run."""
 
     def __init__(self, tensors: list[torch.Tensor], kinds: list[str]) -> None:
         self.tensors, self.kinds = tensors, kinds
@@ -121,30 +122,41 @@ class BlockMover:
         self.unit_bytes = [t.stride(0) * t.element_size() for t in tensors]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def _ids(self, block_ids: list[int], state_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = torch.tensor(block_ids, dtype=torch.int64).to(self.device, non_blocking=False)
-        slot = torch.tensor([state_slot], dtype=torch.int64).to(self.device, non_blocking=False)
-        return blocks, slot
+    def _parts(self, block_ids: list[int], state_slot: int, packed: torch.Tensor):
+        """(cache tensor, its ids on the device, its part of ``packed`` viewed as [n, *unit shape])."""
+        ids = torch.tensor([*block_ids, state_slot], dtype=torch.int64).to(self.device)  # one upload
+        blocks, slot = ids[:-1], ids[-1:]
+        starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
+        for t, kind, unit, start in zip(self.tensors, self.kinds, self.unit_bytes, starts):
+            part_ids = blocks if kind == "block" else slot
+            part = packed[start : start + part_ids.numel() * unit]
+            yield t, part_ids, part.view(t.dtype).view(part_ids.numel(), *t.shape[1:])
+
+    def _gaps(self, num_blocks: int) -> list[tuple[int, int]]:
+        """The padding between the packed parts."""
+        starts = packed_offsets(self.kinds, self.unit_bytes, num_blocks)
+        ends = [start + unit * (num_blocks if kind == "block" else 1)
+                for start, unit, kind in zip(starts, self.unit_bytes, self.kinds)]
+        return [(end, start) for end, start in zip(ends, starts[1:]) if start > end]
 
     def gather(self, block_ids: list[int], state_slot: int, host: torch.Tensor) -> None:
         """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes)."""
-        starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
         with self._on_stream():
-            blocks, slot = self._ids(block_ids, state_slot)
-            for t, kind, start in zip(self.tensors, self.kinds, starts):
-                flat = cache_ops.gather_blocks(t, blocks if kind == "block" else slot).view(-1).view(torch.uint8)
-                host[start : start + flat.numel()].copy_(flat, non_blocking=True)
+            packed = host if self._stream is None else torch.empty_like(host, device=self.device)
+            for t, ids, part in self._parts(block_ids, state_slot, packed):
+                cache_ops.gather_blocks(t, ids, out=part)
+            for start, end in self._gaps(len(block_ids)):  # no stale bytes go out between the parts
+                packed[start:end].zero_()
+            if packed is not host:
+                host.copy_(packed, non_blocking=True)
             self._wait()
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], state_slot: int) -> None:
         """Unpacks ``host`` (as ``gather`` packed it) into the blocks and the slot."""
-        starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
         with self._on_stream():
-            blocks, slot = self._ids(block_ids, state_slot)
-            for t, kind, unit, start in zip(self.tensors, self.kinds, self.unit_bytes, starts):
-                ids = blocks if kind == "block" else slot
-                staged = host[start : start + ids.numel() * unit].to(self.device, non_blocking=True)
-                cache_ops.scatter_blocks(t, ids, staged.view(t.dtype).view(ids.numel(), *t.shape[1:]))
+            packed = host.to(self.device, non_blocking=True)
+            for t, ids, part in self._parts(block_ids, state_slot, packed):
+                cache_ops.scatter_blocks(t, ids, part)
             self._wait()
 
     def _on_stream(self):
@@ -156,4 +168,3 @@ class BlockMover:
     def _wait(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
-
