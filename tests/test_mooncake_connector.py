@@ -395,12 +395,14 @@ def test_scheduler_half_consumer_validates_params():
     assert meta.cancelled_loads == ["c"]
 
 
-def test_host_buffer_settings_are_checked(kimi_ckpt):
+def test_host_buffer_settings_are_checked(kimi_ckpt, monkeypatch):
     from atom.config import EngineConfig
     from atom.engine.engine_core import EngineCore
+    from atom.kv_transfer.mooncake import worker_side
 
     for bad, match in [({"kv_buffer_device": "gpu"}, "kv_buffer_device 'gpu' must be 'auto', 'cpu' or 'cache'"),
-                       ({"kv_buffer_size": 0}, "kv_buffer_size must be a positive number of bytes")]:
+                       ({"kv_buffer_size": 0}, "kv_buffer_size must be a positive number of bytes"),
+                       ({"kv_buffer_size": 1.5}, "kv_buffer_size must be a positive number of bytes")]:
         with pytest.raises(ValueError, match=match):
             KVTransferConfig.from_dict({"kv_connector": "mooncake", "kv_role": "kv_consumer", **bad})
     on = lambda device, where: KVTransferConfig("mooncake", "kv_consumer", kv_buffer_device=where).uses_host_buffer(
@@ -412,6 +414,15 @@ def test_host_buffer_settings_are_checked(kimi_ckpt):
     with pytest.raises(ValueError, match=r"kv_buffer_size=4096 bytes cannot hold one \d+-token request's KV and "
                                          r"state \(\d+ bytes\); raise kv_buffer_size to at least \d+"):
         EngineCore(config)
+    # Left out, the buffer is 1 GiB, or one request of max_model_len where that is more (here, with a
+    # default shrunk to 1 KiB).
+    unsized = {"kv_connector": "mooncake", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    core = EngineCore(EngineConfig(model=kimi_ckpt, dtype="float32", kv_transfer_config=unsized))
+    assert core.connector_worker.host_buffer_size == 1 << 30
+    monkeypatch.setattr(worker_side, "DEFAULT_KV_BUFFER_SIZE", 1024)
+    core = EngineCore(EngineConfig(model=kimi_ckpt, dtype="float32", kv_transfer_config=unsized))
+    need = core.connector_worker.packed_bytes(core.config.max_model_len)
+    assert need > 1024 and core.connector_worker.host_buffer_size == need
 
 
 def test_merge_runs():

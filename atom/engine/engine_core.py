@@ -87,11 +87,13 @@ class EngineCore:
             kv_config, block_size=self.config.block_size, caches=self.runner.caches, cache_kinds=kinds)
         if kv_config.uses_host_buffer(self.runner.device):
             need = self.connector_worker.packed_bytes(self.config.max_model_len)
-            if need > kv_config.kv_buffer_size:
+            if kv_config.kv_buffer_size is None:
+                self.connector_worker.host_buffer_size = max(self.connector_worker.host_buffer_size, need)
+            elif need > kv_config.kv_buffer_size:
                 raise ValueError(
                     f"kv_transfer_config: kv_buffer_size={kv_config.kv_buffer_size} bytes cannot hold one "
                     f"{self.config.max_model_len}-token request's KV and state ({need} bytes); raise "
-                    f"kv_buffer_size to at least {need} or lower max_model_len")
+                    f"kv_buffer_size to at least {need} (or leave it out), or lower max_model_len")
 
     # -- requests --------------------------------------------------------------
     def make_request(

@@ -29,6 +29,8 @@ applied to the state once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+DEFAULT_KV_BUFFER_SIZE = 1 << 30
 from typing import Any
 
 import torch
@@ -49,7 +51,9 @@ class KVTransferConfig:
     # CUDA build, or rdma), "cpu" (a host buffer the blocks are gathered into and scattered from), or
     # "auto" ("cpu" when the caches are on a GPU, else "cache").
     kv_buffer_device: str = "auto"
-    kv_buffer_size: int = 1 << 30  # bytes of that host buffer; every transfer in flight takes a region of it
+    # Bytes of that host buffer; every transfer in flight takes a region of it. None: 1 GiB, or one request
+    # of max_model_len if that is more.
+    kv_buffer_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_connector != "mooncake":
@@ -64,8 +68,8 @@ class KVTransferConfig:
             raise ValueError("handshake_port must be in [0, 65535]")
         if self.kv_buffer_device not in ("auto", "cpu", "cache"):
             raise ValueError(f"kv_buffer_device {self.kv_buffer_device!r} must be 'auto', 'cpu' or 'cache'")
-        if not isinstance(self.kv_buffer_size, int) or self.kv_buffer_size <= 0:
-            raise ValueError("kv_buffer_size must be a positive number of bytes")
+        if self.kv_buffer_size is not None and (not isinstance(self.kv_buffer_size, int) or self.kv_buffer_size <= 0):
+            raise ValueError("kv_buffer_size must be a positive number of bytes (or null: sized to fit)")
         if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_seconds and transfer_timeout must be positive")
 

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kv_transfer.base import ConnectorMetadata, ConnectorOutput, HoldSpec, KVTransferConfig, LoadSpec
+from atom.kv_transfer.base import (
+    DEFAULT_KV_BUFFER_SIZE, ConnectorMetadata, ConnectorOutput, HoldSpec, KVTransferConfig, LoadSpec,
+)
 from atom.kv_transfer.mooncake.scheduler_side import MooncakeConnectorScheduler, cdiv
 from atom.kv_transfer.mooncake.side_channel import (
     ClientMessage, Done, FrameError, HostRegion, Pull, Reply, SideChannelClient, SideChannelServer, TensorLayout,
@@ -96,6 +98,7 @@ class MooncakeConnectorWorker:
                 "installed mooncake-transfer-engine-non-cuda reads host memory only; use kv_buffer_device 'cpu' "
                 "(or 'auto'), or install Mooncake's CUDA build (mooncake-transfer-engine) instead")
         self._host: HostBuffer | None = None
+        self.host_buffer_size = kv_config.kv_buffer_size or DEFAULT_KV_BUFFER_SIZE  # the engine may size it to fit
         self.staged_bytes = 0  # gathered into or scattered from the host buffer, in all
         # Called on the loop when there is something for take_output (a load ended, a hold was released),
         # so that an engine waiting on transfers need not wait for its next poll.
@@ -141,7 +144,7 @@ class MooncakeConnectorWorker:
             for entry, nbytes in zip(self._layout, self._nbytes):
                 self._transfer.register(entry.addr, nbytes)
         else:  # only the host buffer: Mooncake never sees the caches
-            self._host = HostBuffer(self.kv_config.kv_buffer_size, pin=self._cache_device.type == "cuda")
+            self._host = HostBuffer(self.host_buffer_size, pin=self._cache_device.type == "cuda")
             self._transfer.register(self._host.addr, self._host.nbytes)
 
     def packed_bytes(self, num_tokens: int) -> int:
