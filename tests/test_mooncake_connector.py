@@ -390,6 +390,11 @@ def test_scheduler_half_consumer_validates_params():
     req.kv_transfer_params, req.block_ids, req.state_slot = good, [1, 2, 3], 6
     sched.after_alloc(req)
     sched.cancel_load("c")
+    # Held back (a step that may write into its blocks still runs): neither the load nor its cancellation
+    # goes out, but the cancellation of a load already handed over does.
+    sched.cancel_load("handed-earlier")
+    meta = sched.build_metadata(hold_loads=True)
+    assert meta.loads == [] and meta.cancelled_loads == ["handed-earlier"]
     meta = sched.build_metadata()
     assert [(s.request_id, s.block_ids, s.state_slot) for s in meta.loads] == [("c", [1, 2, 3], 6)]
     assert meta.cancelled_loads == ["c"]
@@ -423,6 +428,65 @@ def test_host_buffer_settings_are_checked(kimi_ckpt, monkeypatch):
     core = EngineCore(EngineConfig(model=kimi_ckpt, dtype="float32", kv_transfer_config=unsized))
     need = core.connector_worker.packed_bytes(core.config.max_model_len)
     assert need > 1024 and core.connector_worker.host_buffer_size == need
+
+
+async def test_remote_loads_wait_for_the_step_in_flight_when_their_blocks_were_planned(kimi_ckpt):
+    """With overlapped scheduling, step N+1 is planned while step N runs, and blocks that plan frees (a
+    preemption, an abort) may still be written by step N. A remote load must not land in them before
+    step N ends: every step started before a load's blocks were allocated has ended when its load is
+    handed to the worker half. (The producer here is a closed port: the loads fail at once and the
+    requests compute their prompts locally.)"""
+    from atom import AsyncEngine
+
+    steps = {"started": 0, "ended": 0}
+    allocated_at, handed_at = {}, {}
+    config = {"kv_connector": "mooncake", "kv_role": "kv_consumer", "host": "127.0.0.1",
+              "kv_load_failure_policy": "recompute", "transfer_timeout": 5.0}
+    async with AsyncEngine.from_config(model=kimi_ckpt, dtype="float32", async_scheduling=True,
+                                       kv_transfer_config=config) as engine:
+        core, block_size = engine.core, engine.config.block_size
+        execute, after_alloc, handle = core.execute, core.scheduler.connector.after_alloc, core.connector_worker.handle
+
+        def counting_execute(sched):  # on the forward thread
+            steps["started"] += 1
+            try:
+                return execute(sched)
+            finally:
+                steps["ended"] += 1
+
+        def noting_after_alloc(request):
+            allocated_at[request.request_id] = steps["started"]
+            after_alloc(request)
+
+        def noting_handle(meta):
+            handed_at.update({load.request_id: steps["ended"] for load in meta.loads})
+            handle(meta)
+
+        core.execute, core.scheduler.connector.after_alloc = counting_execute, noting_after_alloc
+        core.connector_worker.handle = noting_handle
+
+        async def run(prompt, max_tokens, params=None, request_id=None):
+            params_kw = {"kv_transfer_params": params} if params else {}
+            last = None
+            async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                    ignore_eos=True), request_id, **params_kw):
+                last = out
+            return last
+
+        async def remote(i):
+            await asyncio.sleep(0.05 + 0.03 * i)  # while the local ones decode: a step is always in flight
+            prompt = list(range(30 + i, 50 + i))
+            params = {"transfer_id": f"t{i}", "engine_id": "gone", "remote_host": "127.0.0.1",
+                      "remote_port": closed_port(), "num_tokens": len(prompt),
+                      "block_ids": list(range(-(-len(prompt) // block_size))), "state_slot": 0, "first_token": 5}
+            return await run(prompt, 8, params, f"remote-{i}")
+
+        outs = await asyncio.gather(*[run([3, 4, 5 + i] * 4, 60) for i in range(4)], *[remote(i) for i in range(4)])
+        assert all(out.finished and out.outputs[0].finish_reason == "length" for out in outs)
+        assert sorted(handed_at) == sorted(allocated_at) == [f"remote-{i}" for i in range(4)]
+        early = {r: (allocated_at[r], handed_at[r]) for r in handed_at if handed_at[r] < allocated_at[r]}
+        assert not early, f"loads handed over before the step running at their allocation ended: {early}"
+        assert core.all_resources_free()
 
 
 def test_merge_runs():

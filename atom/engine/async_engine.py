@@ -251,6 +251,7 @@ class AsyncEngine:
                 nxt = None
                 if (overlap or inflight is None) and self.core.has_unfinished_requests():
                     sched = self.core.schedule()
+                    self.core.loads_wait_for_step = inflight is not None  # until that step's update
                     self.core.start_connector_work()
                     if sched.is_empty and inflight is None:  # e.g. only remote loads in flight
                         self.core.execute(sched)  # hands finished ids to the runner; no forward

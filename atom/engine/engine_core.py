@@ -73,6 +73,9 @@ class EngineCore:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.scheduler.text_stop = self._text_stop
         self.connector_worker = None  # P/D worker half; started by AsyncEngine on its loop
+        # P/D: the last plan was made while a step ran, so its remote loads wait for that step's update:
+        # blocks the plan freed (a preemption, an abort) may still be written by that step.
+        self.loads_wait_for_step = False
         if config.kv_transfer_config is not None:
             self._make_connector(config.kv_transfer_config)
         self._counter = 0
@@ -163,7 +166,7 @@ class EngineCore:
 
     def start_connector_work(self) -> None:
         if self.connector_worker is not None:
-            self.connector_worker.handle(self.scheduler.connector.build_metadata())
+            self.connector_worker.handle(self.scheduler.connector.build_metadata(self.loads_wait_for_step))
 
     # -- the step ----------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -177,7 +180,9 @@ class EngineCore:
             result.wait()
         changed = self.scheduler.update(sched, result)
         # Hand new producer holds to the worker half before anyone can see their params:
-        # a consumer may pull as soon as the output reaches the client.
+        # a consumer may pull as soon as the output reaches the client. Loads planned beside
+        # this step go out now too: it has ended.
+        self.loads_wait_for_step = False
         self.start_connector_work()
         return self._outputs_for(changed)
 

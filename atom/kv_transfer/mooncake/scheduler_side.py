@@ -151,7 +151,14 @@ class MooncakeConnectorScheduler:
         return True, out
 
     # -- both ----------------------------------------------------------------------
-    def build_metadata(self) -> ConnectorMetadata:
+    def build_metadata(self, hold_loads: bool = False) -> ConnectorMetadata:
+        """What the worker half must do now. ``hold_loads``: keep the queued loads (and cancellations
+        of them) for a later call, while a step that may still write into their blocks runs."""
+        if hold_loads:
+            held = {load.request_id for load in self._loads}
+            meta = ConnectorMetadata(holds=self._holds, cancelled_loads=[r for r in self._cancelled if r not in held])
+            self._holds, self._cancelled = [], [r for r in self._cancelled if r in held]
+            return meta
         meta = ConnectorMetadata(loads=self._loads, holds=self._holds, cancelled_loads=self._cancelled)
         self._loads, self._holds, self._cancelled = [], [], []
         return meta

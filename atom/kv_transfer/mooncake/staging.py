@@ -23,9 +23,7 @@ import torch
 
 from atom.ops import cache_ops
 
-ALIGN = 256  # regions start on this many bytes
-
-
+ALIGN = 256  # regions of the host buffer start on this many bytes
 PART_ALIGN = 16  # each tensor's part of the packed bytes starts on this many bytes, so it views as its dtype
 
 
@@ -113,8 +111,13 @@ class BlockMover:
 
     On a GPU the packed bytes are assembled in device memory (one gather kernel a tensor) and cross
     to the host in one copy, and back in one copy before the scatters. Blocking (each call waits for
-    its copies): run it in a worker thread. The copies run on a stream of their own that first waits
-    for the work already queued on the device's default stream, where the engine's forward passes run."""
+    its copies): run it in a worker thread. The copies run on a stream of their own:
+    - a gather does not wait for the engine's forward passes (the default stream): the blocks and slot
+      of a hold were last written by the step that finished the request, whose tokens reached the
+      host before the hold existed, and nothing writes them until the hold is released. So a busy
+      producer's next prefill chunk does not delay a transfer;
+    - a scatter first waits for the work already queued there: its blocks were just allocated, and a
+      step queued before (overlapped scheduling) may still write into them for their former owner."""
 
     def __init__(self, tensors: list[torch.Tensor], kinds: list[str]) -> None:
         self.tensors, self.kinds = tensors, kinds
@@ -141,7 +144,7 @@ class BlockMover:
 
     def gather(self, block_ids: list[int], state_slot: int, host: torch.Tensor) -> None:
         """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes)."""
-        with self._on_stream():
+        with self._on_stream(after_queued_work=False):
             packed = host if self._stream is None else torch.empty_like(host, device=self.device)
             for t, ids, part in self._parts(block_ids, state_slot, packed):
                 cache_ops.gather_blocks(t, ids, out=part)
@@ -153,16 +156,17 @@ class BlockMover:
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], state_slot: int) -> None:
         """Unpacks ``host`` (as ``gather`` packed it) into the blocks and the slot."""
-        with self._on_stream():
+        with self._on_stream(after_queued_work=True):
             packed = host.to(self.device, non_blocking=True)
             for t, ids, part in self._parts(block_ids, state_slot, packed):
                 cache_ops.scatter_blocks(t, ids, part)
             self._wait()
 
-    def _on_stream(self):
+    def _on_stream(self, after_queued_work: bool):
         if self._stream is None:
             return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.default_stream(self.device))
+        if after_queued_work:
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))
         return torch.cuda.stream(self._stream)
 
     def _wait(self) -> None:
