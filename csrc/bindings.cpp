@@ -49,6 +49,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("block_bytes"), py::arg("stream"));
 
   m.def(
+      "copy_runs",
+      [](uintptr_t runs, int64_t num_runs, uintptr_t stream) { check(atom::copy_runs(runs, num_runs, stream)); },
+      "copies runs[r] = (src, dst, bytes) for r < num_runs, one launch", py::arg("runs"), py::arg("num_runs"),
+      py::arg("stream"));
+
+  m.def(
       "kda_decode",
       [](uintptr_t q, int64_t q_sb, int64_t q_st, uintptr_t k, int64_t k_sb, int64_t k_st, uintptr_t v, int64_t v_sb,
          int64_t v_st, uintptr_t g, uintptr_t beta, uintptr_t state, int64_t slot_stride, uintptr_t state_slots,

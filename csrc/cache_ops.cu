@@ -1,7 +1,9 @@
 // Copies whole cache blocks between a paged cache and a contiguous staging
 // buffer (P/D transfer, offload). Byte-generic: the copy unit is the widest
 // word (16, 8, 4 or 1 bytes) that every address and size is aligned to, so
-// any dtype and layout works and the common case moves uint4s.
+// any dtype and layout works and the common case moves uint4s. copy_runs does
+// a whole request's blocks and state slots, of every cache tensor, in one
+// launch (a list of byte runs built on the host).
 #include "ops.h"
 #include "portability.h"
 
@@ -74,7 +76,32 @@ const char* copy_blocks(uintptr_t cache, int64_t block_stride, uintptr_t block_i
   return last_launch_error();
 }
 
+// One block a run: runs[3 r .. 3 r + 2] = (source address, destination address, bytes). 16-byte words
+// where the run allows them (both addresses and the length multiples of 16), else single bytes.
+__global__ void copy_runs_kernel(const int64_t* __restrict__ runs) {
+  const int64_t* run = runs + 3 * static_cast<int64_t>(blockIdx.x);
+  const char* src = reinterpret_cast<const char*>(run[0]);
+  char* dst = reinterpret_cast<char*>(run[1]);
+  const int64_t n = run[2];
+  if (((static_cast<uint64_t>(run[0]) | static_cast<uint64_t>(run[1]) | static_cast<uint64_t>(n)) & 15) == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int64_t w = threadIdx.x; w < n / 16; w += blockDim.x) d[w] = s[w];
+  } else {
+    for (int64_t b = threadIdx.x; b < n; b += blockDim.x) dst[b] = src[b];
+  }
+}
+
 }  // namespace
+
+const char* copy_runs(uintptr_t runs, int64_t num_runs, uintptr_t stream) {
+  if (num_runs < 0) return "copy_runs: negative num_runs";
+  if (num_runs > INT32_MAX) return "copy_runs: more than 2^31-1 runs in one call";
+  if (num_runs == 0) return nullptr;
+  copy_runs_kernel<<<static_cast<unsigned>(num_runs), kThreads, 0, as_stream(stream)>>>(
+      reinterpret_cast<const int64_t*>(runs));
+  return last_launch_error();
+}
 
 const char* gather_blocks(uintptr_t cache, int64_t block_stride, uintptr_t block_ids,
                           int64_t num_ids, uintptr_t staging, int64_t block_bytes,

@@ -32,6 +32,10 @@ const char* scatter_blocks(uintptr_t cache, int64_t block_stride, uintptr_t bloc
                            int64_t num_ids, uintptr_t staging, int64_t block_bytes,
                            uintptr_t stream);
 
+// runs: int64 device array [num_runs, 3] of (source address, destination address, bytes), device
+// (or device-mapped) memory; the runs must not overlap one another's destinations.
+const char* copy_runs(uintptr_t runs, int64_t num_runs, uintptr_t stream);
+
 // ---- kda.cu: KDA decode step over the slot-indexed recurrent state, in place.
 //
 // q, k: [batch, tokens, heads, key_dim] and v, out: [batch, tokens, heads,

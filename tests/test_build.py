@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -76,6 +77,45 @@ def test_strided_cache_and_out_buffer(device):
 
     cache_ops.scatter_blocks(kv[1], ids, out)
     torch.testing.assert_close(kv[1][ids], k_cache[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_gather_and_scatter_parts_match_explicit_indexing(device):
+    """A request's units of several cache tensors in one buffer: 16-byte runs, odd-sized units (byte
+    runs), a unit longer than a run (spread over several), the strided K half of a KV cache, a part
+    with no units; poisoned buffers, so a byte written where it should not be shows."""
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 21, 16, 8, generator=g)
+    caches = [kv[0], torch.randn(21, 16, 24, generator=g).to(torch.bfloat16),
+              torch.randint(0, 255, (6, 7, 3), generator=g).to(torch.uint8),  # 21 bytes a unit
+              torch.randn(6, 130, 130, generator=g),  # 67600 bytes: 2 runs of at most 64 KiB
+              torch.randn(6, 5, generator=g).to(torch.float16)]
+    ids = [[20, 3, 9, 0], [20, 3, 9, 0], [4], [1], []]
+    caches = [c.to(device) for c in caches]
+    parts = list(zip(caches, ids))
+    starts, at = [], 0
+    for cache, unit_ids in parts:
+        at = -(-at // 16) * 16
+        starts.append(at)
+        at += len(unit_ids) * math.prod(cache.shape[1:]) * cache.element_size()
+    packed = torch.full((at + 16,), 0xAB, dtype=torch.uint8, device=device)
+    cache_ops.gather_parts(parts, packed, starts)
+    covered = torch.zeros(at + 16, dtype=torch.bool)
+    for (cache, unit_ids), start in zip(parts, starts):
+        n = len(unit_ids) * math.prod(cache.shape[1:]) * cache.element_size()
+        got = packed[start : start + n].view(cache.dtype).view(len(unit_ids), *cache.shape[1:])
+        assert torch.equal(got.cpu(), cache.cpu()[unit_ids])
+        covered[start : start + n] = True
+    assert (packed.cpu()[~covered] == 0xAB).all()  # the gaps and the tail untouched
+    # Back into other units of poisoned caches: only those change.
+    fresh = [torch.full_like(c, 7 if c.dtype == torch.uint8 else float("nan")) for c in caches]
+    dest = [[1, 2, 5, 19], [0, 20, 4, 6], [5], [0], []]
+    cache_ops.scatter_parts(list(zip(fresh, dest)), packed, starts)
+    for got, cache, src_ids, dst_ids in zip(fresh, caches, ids, dest):
+        got, cache = got.cpu(), cache.cpu()
+        assert torch.equal(got[dst_ids], cache[src_ids])
+        others = [i for i in range(got.shape[0]) if i not in dst_ids]
+        assert (got[others] == 7).all() if got.dtype == torch.uint8 else got[others].isnan().all()
 
 
 def test_empty_block_ids():

@@ -83,13 +83,13 @@ def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
 
 
 def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch):
-    """Gathers into pinned memory and scatters from it with the kernels, byte for byte as on the CPU."""
+    """Gathers into pinned memory and scatters from it with the kernel, byte for byte as on the CPU."""
     from atom.kv_transfer.mooncake.staging import BlockMover, packed_bytes
     from atom.ops import cache_ops
 
     launches = []
-    inner = cache_ops._launch
-    monkeypatch.setattr(cache_ops, "_launch", lambda kernel, *args: (launches.append(kernel), inner(kernel, *args)))
+    inner = cache_ops._launch_runs
+    monkeypatch.setattr(cache_ops, "_launch_runs", lambda *args, **kw: (launches.append(kw), inner(*args, **kw)))
     g = torch.Generator().manual_seed(0)
     cpu = [torch.randn(9, 16, 72, generator=g), torch.randn(9, 16, 36, generator=g).to(torch.bfloat16),
            torch.randn(5, 3, 7, generator=g).to(torch.bfloat16), torch.randn(5, 4, 8, 8, generator=g)]
@@ -102,13 +102,13 @@ def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch):
     BlockMover(cpu, kinds).gather(blocks, slot, want)
     BlockMover(gpu, kinds).gather(blocks, slot, got)
     assert torch.equal(got, want) and not want[17322:17328].any()
-    assert len(launches) == 4  # one gather kernel a tensor
+    assert launches == [{"gather": True}]  # one copy_runs launch for the four tensors
     # Back into other blocks and another slot of poisoned caches.
     fresh_cpu = [torch.full_like(t, float("nan")) for t in cpu]
     fresh_gpu = [t.cuda() for t in fresh_cpu]
     BlockMover(fresh_cpu, kinds).scatter(want, [0, 8, 4], 1)
     BlockMover(fresh_gpu, kinds).scatter(got, [0, 8, 4], 1)
-    assert len(launches) == 8
+    assert launches == [{"gather": True}, {"gather": False}]
     for a, b in zip(fresh_gpu, fresh_cpu):
         assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
 

@@ -10,12 +10,18 @@ unpacks it into (possibly different) blocks of another cache.
 The copy is byte-generic, so any dtype works. On GPU tensors the ``atom._C``
 kernel runs when ``use_kernels()``; elsewhere the torch reference does, and
 tests compare the two.
+
+``gather_parts`` / ``scatter_parts`` do a whole request at once: several cache
+tensors' units (blocks, or a state slot) packed one tensor's part after another
+into one uint8 buffer. On a GPU that is one ``copy_runs`` launch over a list of
+byte runs built on the host, instead of a launch (and its Python) per tensor.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from atom.ops._C_loader import get_C, use_kernels
@@ -60,6 +66,67 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.
         _launch(get_C().scatter_blocks, cache, block_ids, staging)
     else:
         scatter_blocks_ref(cache, block_ids, staging)
+
+
+RUN_BYTES = 64 << 10  # copy_runs' runs are at most this long, so one long unit spreads over many blocks
+
+Part = tuple[torch.Tensor, list[int]]  # a cache tensor and the ids of its units to move, in order
+
+
+def gather_parts(parts: list[Part], packed: torch.Tensor, starts: list[int]) -> None:
+    """For each part i: ``packed[starts[i]:]`` viewed as ``[len(ids), *cache.shape[1:]]`` =
+    ``cache[ids]``. ``packed`` is uint8; each start must suit its cache's dtype."""
+    if _parts_kernel_applies(parts, packed):
+        _launch_runs(parts, packed, starts, gather=True)
+        return
+    for (cache, ids), start in zip(parts, starts):
+        gather_blocks_ref(cache, torch.tensor(ids, dtype=torch.int64), _part_view(packed, start, cache, len(ids)))
+
+
+def scatter_parts(parts: list[Part], packed: torch.Tensor, starts: list[int]) -> None:
+    """The inverse of ``gather_parts``: ``cache[ids] =`` each part of ``packed``. Ids must be distinct."""
+    if _parts_kernel_applies(parts, packed):
+        _launch_runs(parts, packed, starts, gather=False)
+        return
+    for (cache, ids), start in zip(parts, starts):
+        scatter_blocks_ref(cache, torch.tensor(ids, dtype=torch.int64), _part_view(packed, start, cache, len(ids)))
+
+
+def _part_view(packed: torch.Tensor, start: int, cache: torch.Tensor, n: int) -> torch.Tensor:
+    nbytes = n * math.prod(cache.shape[1:]) * cache.element_size()
+    return packed[start : start + nbytes].view(cache.dtype).view(n, *cache.shape[1:])
+
+
+def _parts_kernel_applies(parts: list[Part], packed: torch.Tensor) -> bool:
+    return (
+        packed.is_cuda
+        and packed.dtype == torch.uint8
+        and packed.is_contiguous()
+        and all(cache.device == packed.device and cache[:1].is_contiguous() for cache, _ in parts)
+        and use_kernels()
+    )
+
+
+def _launch_runs(parts: list[Part], packed: torch.Tensor, starts: list[int], gather: bool) -> None:
+    """One copy_runs launch: every unit of every part as runs of at most RUN_BYTES."""
+    src, dst, length = [], [], []
+    for (cache, ids), start in zip(parts, starts):
+        unit = math.prod(cache.shape[1:]) * cache.element_size()
+        if not ids or unit == 0:
+            continue
+        at_cache = cache.data_ptr() + np.asarray(ids, dtype=np.int64) * (cache.stride(0) * cache.element_size())
+        at_packed = packed.data_ptr() + start + np.arange(len(ids), dtype=np.int64) * unit
+        offsets = np.arange(0, unit, RUN_BYTES, dtype=np.int64)
+        a, b = (at_cache, at_packed) if gather else (at_packed, at_cache)
+        src.append((a[:, None] + offsets).ravel())
+        dst.append((b[:, None] + offsets).ravel())
+        length.append(np.tile(np.minimum(unit - offsets, RUN_BYTES), len(ids)))
+    if not src:
+        return
+    runs = torch.from_numpy(np.stack([np.concatenate(src), np.concatenate(dst), np.concatenate(length)], axis=1))
+    with torch.cuda.device(packed.device):
+        on_device = runs.pin_memory().to(packed.device, non_blocking=True)
+        get_C().copy_runs(on_device.data_ptr(), on_device.shape[0], torch.cuda.current_stream().cuda_stream)
 
 
 def _check_staging(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor, name: str) -> None:

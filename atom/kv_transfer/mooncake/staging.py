@@ -109,8 +109,8 @@ class HostBuffer:
 class BlockMover:
     """Gathers a request's blocks and slot into packed host bytes, and scatters them back.
 
-    On a GPU the packed bytes are assembled in device memory (one gather kernel a tensor) and cross
-    to the host in one copy, and back in one copy before the scatters. Blocking (each call waits for
+    On a GPU the packed bytes are assembled in device memory (one ``copy_runs`` launch for every
+    tensor) and cross to the host in one copy, and back in one copy before the scatter. Blocking (each call waits for
     its copies): run it in a worker thread. The copies run on a stream of their own:
     - a gather does not wait for the engine's forward passes (the default stream): the blocks and slot
       of a hold were last written by the step that finished the request, whose tokens reached the
@@ -125,15 +125,8 @@ class BlockMover:
         self.unit_bytes = [t.stride(0) * t.element_size() for t in tensors]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def _parts(self, block_ids: list[int], state_slot: int, packed: torch.Tensor):
-        """(cache tensor, its ids on the device, its part of ``packed`` viewed as [n, *unit shape])."""
-        ids = torch.tensor([*block_ids, state_slot], dtype=torch.int64).to(self.device)  # one upload
-        blocks, slot = ids[:-1], ids[-1:]
-        starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
-        for t, kind, unit, start in zip(self.tensors, self.kinds, self.unit_bytes, starts):
-            part_ids = blocks if kind == "block" else slot
-            part = packed[start : start + part_ids.numel() * unit]
-            yield t, part_ids, part.view(t.dtype).view(part_ids.numel(), *t.shape[1:])
+    def _parts(self, block_ids: list[int], state_slot: int) -> list[cache_ops.Part]:
+        return [(t, block_ids if kind == "block" else [state_slot]) for t, kind in zip(self.tensors, self.kinds)]
 
     def _gaps(self, num_blocks: int) -> list[tuple[int, int]]:
         """The padding between the packed parts."""
@@ -144,10 +137,10 @@ class BlockMover:
 
     def gather(self, block_ids: list[int], state_slot: int, host: torch.Tensor) -> None:
         """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes)."""
+        starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
         with self._on_stream(after_queued_work=False):
             packed = host if self._stream is None else torch.empty_like(host, device=self.device)
-            for t, ids, part in self._parts(block_ids, state_slot, packed):
-                cache_ops.gather_blocks(t, ids, out=part)
+            cache_ops.gather_parts(self._parts(block_ids, state_slot), packed, starts)
             for start, end in self._gaps(len(block_ids)):  # no stale bytes go out between the parts
                 packed[start:end].zero_()
             if packed is not host:
@@ -156,10 +149,10 @@ class BlockMover:
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], state_slot: int) -> None:
         """Unpacks ``host`` (as ``gather`` packed it) into the blocks and the slot."""
+        starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
         with self._on_stream(after_queued_work=True):
             packed = host.to(self.device, non_blocking=True)
-            for t, ids, part in self._parts(block_ids, state_slot, packed):
-                cache_ops.scatter_blocks(t, ids, part)
+            cache_ops.scatter_parts(self._parts(block_ids, state_slot), packed, starts)
             self._wait()
 
     def _on_stream(self, after_queued_work: bool):
