@@ -407,7 +407,8 @@ def test_host_buffer_settings_are_checked(kimi_ckpt, monkeypatch):
 
     for bad, match in [({"kv_buffer_device": "gpu"}, "kv_buffer_device 'gpu' must be 'auto', 'cpu' or 'cache'"),
                        ({"kv_buffer_size": 0}, "kv_buffer_size must be a positive number of bytes"),
-                       ({"kv_buffer_size": 1.5}, "kv_buffer_size must be a positive number of bytes")]:
+                       ({"kv_buffer_size": 1.5}, "kv_buffer_size must be a positive number of bytes"),
+                       ({"kv_buffer_size": True}, "kv_buffer_size must be a positive number of bytes")]:
         with pytest.raises(ValueError, match=match):
             KVTransferConfig.from_dict({"kv_connector": "mooncake", "kv_role": "kv_consumer", **bad})
     on = lambda device, where: KVTransferConfig("mooncake", "kv_consumer", kv_buffer_device=where).uses_host_buffer(

@@ -29,11 +29,11 @@ applied to the state once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-DEFAULT_KV_BUFFER_SIZE = 1 << 30
 from typing import Any
 
 import torch
+
+DEFAULT_KV_BUFFER_SIZE = 1 << 30  # the host buffer when kv_buffer_size is left out (or one request, if more)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class KVTransferConfig:
             raise ValueError("handshake_port must be in [0, 65535]")
         if self.kv_buffer_device not in ("auto", "cpu", "cache"):
             raise ValueError(f"kv_buffer_device {self.kv_buffer_device!r} must be 'auto', 'cpu' or 'cache'")
-        if self.kv_buffer_size is not None and (not isinstance(self.kv_buffer_size, int) or self.kv_buffer_size <= 0):
+        size = self.kv_buffer_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
             raise ValueError("kv_buffer_size must be a positive number of bytes (or null: sized to fit)")
         if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
             raise ValueError("lease_seconds and transfer_timeout must be positive")
