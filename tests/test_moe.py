@@ -151,6 +151,7 @@ def test_a_shared_expert_of_an_experts_size_is_stacked_after_the_routed_ones(mon
     loaded = {name: p.detach().clone() for name, p in layer.named_parameters()}
     layer.fuse()
     experts, shared = layer.experts, layer.shared_experts
+    assert experts.holds_shared
     assert experts.gate_up_with_shared.shape == (9, 48, 48) and experts.down_with_shared.shape == (9, 48, 24)
     assert experts.gate_up_proj.data_ptr() == experts.gate_up_with_shared.data_ptr()
     assert experts.gate_up_proj.shape == (8, 48, 48) and experts.down_proj.shape == (8, 48, 24)
@@ -176,5 +177,6 @@ def test_a_shared_expert_of_an_experts_size_is_stacked_after_the_routed_ones(mon
     two = _sparse_moe(2)
     two.fuse()
     assert not hasattr(two.experts, "gate_up_with_shared") and two.experts.gate_up_proj.shape == (8, 48, 48)
+    assert not two.experts.holds_shared
     assert two.shared_experts.stacked_weights() is not None
 

@@ -88,7 +88,7 @@ class EngineCore:
                  for layer, spec in self.runner.cache_specs.items()}
         self.scheduler.connector, self.connector_worker = make_connector(
             kv_config, block_size=self.config.block_size, caches=self.runner.caches, cache_kinds=kinds)
-        if kv_config.uses_host_buffer(self.runner.device):
+        if self.connector_worker.uses_host_buffer:
             need = self.connector_worker.packed_bytes(self.config.max_model_len)
             if kv_config.kv_buffer_size is None:
                 self.connector_worker.host_buffer_size = max(self.connector_worker.host_buffer_size, need)

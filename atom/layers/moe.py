@@ -192,6 +192,7 @@ class RoutedExperts(nn.ModuleList):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None) -> None:
         super().__init__(ExpertWeights(hidden_size, intermediate_size, dtype) for _ in range(num_experts))
         self.intermediate_size = intermediate_size
+        self.holds_shared = False  # fuse(shared): the stacks end with a shared expert (gate_up_with_shared, ...)
 
     @torch.no_grad()
     def fuse(self, shared: GatedMLP | None = None) -> None:
@@ -212,6 +213,7 @@ class RoutedExperts(nn.ModuleList):
             shared.down_proj.weight.data = down[-1]
             self.register_buffer("gate_up_with_shared", gate_up, persistent=False)
             self.register_buffer("down_with_shared", down, persistent=False)
+            self.holds_shared = True
         self.register_buffer("gate_up_proj", gate_up[: len(self)], persistent=False)
         self.register_buffer("down_proj", down[: len(self)], persistent=False)
 
@@ -331,6 +333,6 @@ class SparseMoE(nn.Module):
         path = routed_path(x, ids, len(self.experts))
         if path == "gemv" and (shared := self.shared_experts.stacked_weights()) is not None:
             return self.experts.forward_gemv(x, weights, ids, shared=shared)  # one pair of kernels for both
-        if path == "all" and FOLD_SHARED and hasattr(self.experts, "gate_up_with_shared"):
+        if path == "all" and FOLD_SHARED and self.experts.holds_shared:
             return self.experts.forward_all_experts(x, weights, ids, with_shared=True)  # one matmul pair for both
         return self.experts(x, weights, ids, addend=self.shared_experts(x), path=path)

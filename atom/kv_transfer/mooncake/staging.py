@@ -128,9 +128,8 @@ class BlockMover:
     def _parts(self, block_ids: list[int], state_slot: int) -> list[cache_ops.Part]:
         return [(t, block_ids if kind == "block" else [state_slot]) for t, kind in zip(self.tensors, self.kinds)]
 
-    def _gaps(self, num_blocks: int) -> list[tuple[int, int]]:
-        """The padding between the packed parts."""
-        starts = packed_offsets(self.kinds, self.unit_bytes, num_blocks)
+    def _gaps(self, starts: list[int], num_blocks: int) -> list[tuple[int, int]]:
+        """The padding between the packed parts (``starts``: packed_offsets)."""
         ends = [start + unit * (num_blocks if kind == "block" else 1)
                 for start, unit, kind in zip(starts, self.unit_bytes, self.kinds)]
         return [(end, start) for end, start in zip(ends, starts[1:]) if start > end]
@@ -141,7 +140,7 @@ class BlockMover:
         with self._on_stream(after_queued_work=False):
             packed = host if self._stream is None else torch.empty_like(host, device=self.device)
             cache_ops.gather_parts(self._parts(block_ids, state_slot), packed, starts)
-            for start, end in self._gaps(len(block_ids)):  # no stale bytes go out between the parts
+            for start, end in self._gaps(starts, len(block_ids)):  # no stale bytes go out between the parts
                 packed[start:end].zero_()
             if packed is not host:
                 host.copy_(packed, non_blocking=True)

@@ -85,6 +85,7 @@ class MooncakeConnectorWorker:
                 self._kinds.append(kind)
                 self._layout.append(TensorLayout(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]))
         self._nbytes = [t.nbytes for layer in sorted(caches) for t in caches[layer]]
+        self._unit_bytes = [e.unit_bytes for e in self._layout]
         self._num_blocks = min((e.num_units for k, e in zip(self._kinds, self._layout) if k == "block"), default=0)
         self._num_slots = min((e.num_units for k, e in zip(self._kinds, self._layout) if k == "slot"), default=0)
         self._has_slots = "slot" in self._kinds
@@ -147,9 +148,13 @@ class MooncakeConnectorWorker:
             self._host = HostBuffer(self.host_buffer_size, pin=self._cache_device.type == "cuda")
             self._transfer.register(self._host.addr, self._host.nbytes)
 
+    @property
+    def uses_host_buffer(self) -> bool:
+        return self._mover is not None
+
     def packed_bytes(self, num_tokens: int) -> int:
         """Bytes of one request's blocks and slot for a prompt of ``num_tokens``."""
-        return packed_bytes(self._kinds, [e.unit_bytes for e in self._layout], cdiv(num_tokens, self._block_size))
+        return self._packed_size(cdiv(num_tokens, self._block_size))
 
     @property
     def host_buffer_bytes_lent(self) -> int:
@@ -287,13 +292,13 @@ class MooncakeConnectorWorker:
                 return OUTSIDE_REGIONS
             if kind == "slot" and not 0 <= pull.dst_state_slot < entry.num_units:
                 return OUTSIDE_REGIONS
-        if pull.dst_packed is not None and pull.dst_packed.nbytes < self._packed_size(len(hold.src_block_ids)):
-            return (f"the destination region of {pull.dst_packed.nbytes} bytes is smaller than the "
-                    f"{self._packed_size(len(hold.src_block_ids))} bytes to write")
+        need = self._packed_size(len(hold.src_block_ids))
+        if pull.dst_packed is not None and pull.dst_packed.nbytes < need:
+            return f"the destination region of {pull.dst_packed.nbytes} bytes is smaller than the {need} bytes to write"
         return None
 
     def _packed_size(self, num_blocks: int) -> int:
-        return packed_bytes(self._kinds, [e.unit_bytes for e in self._layout], num_blocks)
+        return packed_bytes(self._kinds, self._unit_bytes, num_blocks)
 
     def _write_entries(self, pull: Pull, hold: _Hold, region: int | None) -> list[tuple[int, int, int]]:
         """(src, dst, bytes) per unit, in the canonical order: source block i -> destination block i
@@ -318,7 +323,7 @@ class MooncakeConnectorWorker:
         return out
 
     def _packed_addrs(self, base: int, num_blocks: int) -> list[tuple[int, int]]:
-        units = [e.unit_bytes for e in self._layout]
+        units = self._unit_bytes
         out = []
         for kind, unit, start in zip(self._kinds, units, packed_offsets(self._kinds, units, num_blocks)):
             out += [(base + start + i * unit, unit) for i in range(num_blocks if kind == "block" else 1)]
