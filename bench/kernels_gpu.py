@@ -681,6 +681,34 @@ def bench_blocks(C, num: int, block_bytes: int, gather: bool) -> dict:
     return {"op": f"{kind} n={num} x {block_bytes} B", "bytes": 2 * num * block_bytes, "us": time_us(run)}
 
 
+def bench_copy_runs(C, tokens: int, gather: bool) -> dict:
+    """One request's units of the decode bench model's 26 cache tensors (2 MLA latent caches of 16-token
+    blocks, 6 KDA layers' recurrent and short-conv state slots) to or from one packed device buffer:
+    the run list P/D's host buffer uses, launched through ``atom._C`` with a precomputed list."""
+    from atom.ops import cache_ops
+
+    num_blocks = tokens // 16
+    tensors = [torch.randn(2 * num_blocks, 16, 576, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    for _ in range(6):
+        tensors.append(torch.randn(2, 32, 128, 128, device="cuda"))
+        tensors += [torch.randn(2, 4096, 3, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    blocks = torch.randperm(2 * num_blocks)[:num_blocks].tolist()
+    parts = [(t, blocks if t.dim() == 3 and t.shape[1] == 16 else [1]) for t in tensors]
+    starts, at = [], 0
+    for t, ids in parts:
+        starts.append(at)
+        at += -(-len(ids) * t[0].numel() * t.element_size() // 16) * 16
+    packed = torch.empty(at, dtype=torch.uint8, device="cuda")
+    plan, ids = cache_ops.RunPlan.of_parts(parts)
+    runs = torch.from_numpy(plan.run_list(ids, packed.data_ptr(), starts, gather)).cuda()
+
+    def run():
+        C.copy_runs(runs.data_ptr(), runs.shape[0], stream())
+
+    kind = "gather" if gather else "scatter"
+    return {"op": f"copy_runs {kind} {tokens} tokens, 26 tensors", "bytes": 2 * at, "us": time_us(run)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="also write the rows here")
@@ -752,6 +780,9 @@ def main() -> None:
         name = "gather_blocks" if gather else "scatter_blocks"
         cases.append((f"{name} mla", lambda g=gather: bench_blocks(C, 4096, mla_block, g)))
         cases.append((f"{name} state", lambda g=gather: bench_blocks(C, 64, slot_bytes, g)))
+    for tokens in (4096, 65536):  # 21 and 162 MB: a P/D transfer's gather and scatter inside the GPU
+        cases += [(f"copy_runs {tokens} gather={g}", lambda t=tokens, g=g: bench_copy_runs(C, t, g))
+                  for g in (True, False)]  # fmt: skip
     wanted = args.only.split(",") if args.only else None
     rows = []
     for name, run in cases:

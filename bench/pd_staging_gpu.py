@@ -1,12 +1,15 @@
 """The P/D host buffer's gather and scatter on a GPU, against plain copies of the same bytes.
 
 A request's blocks of a paged cache (and one state slot) go to pinned host memory through
-``BlockMover.gather`` (the gather kernel into a device buffer, one copy to the host) and back
-through ``BlockMover.scatter``. The baselines, timed in the same process and interleaved, are one
-``copy_`` of the same number of contiguous bytes device -> pinned host and back: what the PCIe
-link gives one copy. Each figure is the best of three interleaved rounds, a round's figure the
-median of ``--repeats`` calls (wall time: each call waits for its copies, as the connector's
-worker thread does).
+``BlockMover.gather`` (one ``copy_runs`` launch that writes the pinned bytes itself) and back
+through ``BlockMover.scatter`` (one launch that reads them). Baselines, timed in the same process
+and interleaved:
+- one ``copy_`` of the same number of contiguous bytes device -> pinned host and back: what the
+  PCIe link gives one copy;
+- "staged": the same kernel into a device buffer, then one copy to the host (and one copy to the
+  device, then the kernel), the mover's way before it wrote the pinned bytes itself.
+Each figure is the best of three interleaved rounds, a round's figure the median of ``--repeats``
+calls (wall time: each call waits for its copies, as the connector's worker thread does).
 
     python bench/pd_staging_gpu.py [--tokens 1024,4096,16384] [--repeats 20] [--device cuda]
 """
@@ -23,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from atom.kv_transfer.mooncake.staging import BlockMover, packed_bytes  # noqa: E402
+from atom.kv_transfer.mooncake.staging import BlockMover, packed_bytes, packed_offsets  # noqa: E402
 
 BLOCK = 16
 
@@ -64,37 +67,48 @@ def main() -> None:
     num_blocks = max(lens) // BLOCK * 2
     tensors, kinds = caches(num_blocks, args.device)
     mover = BlockMover(tensors, kinds)
-    print(f"{'tokens':>7} {'MiB':>8} {'gather GB/s':>12} {'D2H copy GB/s':>14} {'ratio':>6} "
-          f"{'scatter GB/s':>13} {'H2D copy GB/s':>14} {'ratio':>6}")
+    print(f"{'tokens':>7} {'MiB':>8} {'gather GB/s':>12} {'staged':>7} {'D2H copy':>9} {'ratio':>6} "
+          f"{'scatter GB/s':>13} {'staged':>7} {'H2D copy':>9} {'ratio':>6}")
     for n in lens:
         blocks = torch.randperm(num_blocks)[: n // BLOCK].tolist()
         nbytes = packed_bytes(kinds, mover.unit_bytes, len(blocks))
+        starts = packed_offsets(kinds, mover.unit_bytes, len(blocks))
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
         device = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
 
-        def d2h():
-            host.copy_(device, non_blocking=True)
+        def sync():
             if cuda:
                 torch.cuda.current_stream().synchronize()
+
+        def d2h():
+            host.copy_(device, non_blocking=True)
+            sync()
 
         def h2d():
             device.copy_(host, non_blocking=True)
-            if cuda:
-                torch.cuda.current_stream().synchronize()
+            sync()
 
-        for fn in (lambda: mover.gather(blocks, 1, host), d2h, lambda: mover.scatter(host, blocks, 0), h2d):
+        def staged_gather():
+            mover.plan.gather([blocks, [1]], device, starts)
+            d2h()
+
+        def staged_scatter():
+            device.copy_(host, non_blocking=True)
+            mover.plan.scatter([blocks, [0]], device, starts)
+            sync()
+
+        calls = {"gather": lambda: mover.gather(blocks, 1, host), "staged_gather": staged_gather, "d2h": d2h,
+                 "scatter": lambda: mover.scatter(host, blocks, 0), "staged_scatter": staged_scatter, "h2d": h2d}
+        for fn in calls.values():
             fn()  # warm-up: allocations, first launches
-        rows = {name: [] for name in ("gather", "d2h", "scatter", "h2d")}
+        rows = {name: [] for name in calls}
         for _ in range(3):  # interleaved rounds
-            rows["gather"].append(median_seconds(lambda: mover.gather(blocks, 1, host), args.repeats))
-            rows["d2h"].append(median_seconds(d2h, args.repeats))
-            rows["scatter"].append(median_seconds(lambda: mover.scatter(host, blocks, 0), args.repeats))
-            rows["h2d"].append(median_seconds(h2d, args.repeats))
+            for name, fn in calls.items():
+                rows[name].append(median_seconds(fn, args.repeats))
         rate = {name: nbytes / min(times) / 1e9 for name, times in rows.items()}
-        print(f"{n:>7} {nbytes / 2**20:>8.1f} {rate['gather']:>12.2f} {rate['d2h']:>14.2f} "
-              f"{rate['gather'] / rate['d2h']:>6.2f} {rate['scatter']:>13.2f} {rate['h2d']:>14.2f} "
-              f"{rate['scatter'] / rate['h2d']:>6.2f}")
-
+        print(f"{n:>7} {nbytes / 2**20:>8.1f} {rate['gather']:>12.2f} {rate['staged_gather']:>7.2f} "
+              f"{rate['d2h']:>9.2f} {rate['gather'] / rate['d2h']:>6.2f} {rate['scatter']:>13.2f} "
+              f"{rate['staged_scatter']:>7.2f} {rate['h2d']:>9.2f} {rate['scatter'] / rate['h2d']:>6.2f}")
 
 if __name__ == "__main__":
     main()

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "ops.h"
 
@@ -53,6 +54,16 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t runs, int64_t num_runs, uintptr_t stream) { check(atom::copy_runs(runs, num_runs, stream)); },
       "copies runs[r] = (src, dst, bytes) for r < num_runs, one launch", py::arg("runs"), py::arg("num_runs"),
       py::arg("stream"));
+
+  m.def(
+      "mapped_address",
+      [](uintptr_t host) {
+        uintptr_t device = 0;
+        const char* error = atom::mapped_address(host, &device);
+        if (error != nullptr) throw std::runtime_error(std::string("mapped_address: ") + error);
+        return device;
+      },
+      "the device address of pinned, mapped host memory at `host`", py::arg("host"));
 
   m.def(
       "kda_decode",

@@ -103,6 +103,21 @@ const char* copy_runs(uintptr_t runs, int64_t num_runs, uintptr_t stream) {
   return last_launch_error();
 }
 
+const char* mapped_address(uintptr_t host, uintptr_t* device) {
+  // Asked of the pointer's attributes, not of cudaHostGetDevicePointer: pageable memory is then a
+  // plain answer (an unregistered type) rather than a failed call that sanitizers report.
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, reinterpret_cast<const void*>(host)) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear it, so the next launch check does not report it
+    return "cannot query the pointer's attributes";
+  }
+  if (ATOM_POINTER_TYPE(attributes) != cudaMemoryTypeHost || attributes.devicePointer == nullptr) {
+    return "not pinned (page-locked), device-mapped host memory; allocate it with pin_memory=True";
+  }
+  *device = reinterpret_cast<uintptr_t>(attributes.devicePointer);
+  return nullptr;
+}
+
 const char* gather_blocks(uintptr_t cache, int64_t block_stride, uintptr_t block_ids,
                           int64_t num_ids, uintptr_t staging, int64_t block_bytes,
                           uintptr_t stream) {

@@ -36,6 +36,11 @@ const char* scatter_blocks(uintptr_t cache, int64_t block_stride, uintptr_t bloc
 // (or device-mapped) memory; the runs must not overlap one another's destinations.
 const char* copy_runs(uintptr_t runs, int64_t num_runs, uintptr_t stream);
 
+// The address at which kernels reach pinned (page-locked) host memory at `host`, into *device; an
+// error for memory that is not pinned, mapped host memory. On every 64-bit system with unified
+// addressing it equals `host`; asking keeps that assumption out of the callers.
+const char* mapped_address(uintptr_t host, uintptr_t* device);
+
 // ---- kda.cu: KDA decode step over the slot-indexed recurrent state, in place.
 //
 // q, k: [batch, tokens, heads, key_dim] and v, out: [batch, tokens, heads,

@@ -21,6 +21,14 @@ using cudaError_t = hipError_t;
 #define cudaGetDevice hipGetDevice
 #define cudaDeviceGetAttribute hipDeviceGetAttribute
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaPointerAttributes hipPointerAttribute_t
+#define cudaPointerGetAttributes hipPointerGetAttributes
+#define cudaMemoryTypeHost hipMemoryTypeHost
+#if HIP_VERSION_MAJOR >= 6
+#define ATOM_POINTER_TYPE(attributes) (attributes).type
+#else  // ROCm 5 names the field memoryType
+#define ATOM_POINTER_TYPE(attributes) (attributes).memoryType
+#endif
 
 // HIP's warp builtins take no mask (a wavefront always runs converged here);
 // the variadic form keeps the optional `width` argument.
@@ -36,6 +44,8 @@ constexpr int kWarpSize = 64;  // CDNA (gfx942, gfx950) wavefronts
 #else
 
 #include <cuda_runtime.h>
+
+#define ATOM_POINTER_TYPE(attributes) (attributes).type
 
 namespace atom {
 constexpr int kWarpSize = 32;

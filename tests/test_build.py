@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from atom.ops._C_loader import get_C, use_kernels
 ROOT = Path(__file__).resolve().parents[1]
 HAS_NVCC = shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
 GPU_TORCH = torch.version.cuda is not None or torch.version.hip is not None
+HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and use_kernels()
 
 
 @pytest.mark.skipif(GPU_TORCH, reason="checks the CPU-only install")
@@ -79,11 +81,24 @@ def test_strided_cache_and_out_buffer(device):
     torch.testing.assert_close(kv[1][ids], k_cache[ids], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("device", _devices())
-def test_gather_and_scatter_parts_match_explicit_indexing(device):
+def _packed_places() -> list[tuple[str, str]]:
+    """(cache device, where the packed bytes live): on a GPU, its memory, pinned host memory (the
+    kernel reaches it at its mapped address) and pageable host memory (the torch reference)."""
+    places = [("cpu", "cpu")]
+    if torch.cuda.is_available():
+        places += [("cuda", "cuda"), ("cuda", "pinned"), ("cuda", "pageable")]
+    return places
+
+
+@pytest.mark.parametrize("device,place", _packed_places())
+def test_gather_and_scatter_parts_match_explicit_indexing(device, place, monkeypatch):
     """A request's units of several cache tensors in one buffer: 16-byte runs, odd-sized units (byte
     runs), a unit longer than a run (spread over several), the strided K half of a KV cache, a part
-    with no units; poisoned buffers, so a byte written where it should not be shows."""
+    with no units; poisoned buffers, so a byte written where it should not be shows. Host buffers
+    are a slice inside a larger one, as the P/D host buffer's regions are."""
+    launches = []
+    inner = cache_ops._launch_runs
+    monkeypatch.setattr(cache_ops, "_launch_runs", lambda *a, **kw: (launches.append(kw["gather"]), inner(*a, **kw)))
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(2, 21, 16, 8, generator=g)
     caches = [kv[0], torch.randn(21, 16, 24, generator=g).to(torch.bfloat16),
@@ -98,8 +113,14 @@ def test_gather_and_scatter_parts_match_explicit_indexing(device):
         at = -(-at // 16) * 16
         starts.append(at)
         at += len(unit_ids) * math.prod(cache.shape[1:]) * cache.element_size()
-    packed = torch.full((at + 16,), 0xAB, dtype=torch.uint8, device=device)
+    if place in ("pinned", "pageable"):
+        outer = torch.full((at + 16 + 4096,), 0xAB, dtype=torch.uint8, pin_memory=place == "pinned")
+        packed = outer[256 : 256 + at + 16]
+    else:
+        packed = torch.full((at + 16,), 0xAB, dtype=torch.uint8, device=place)
     cache_ops.gather_parts(parts, packed, starts)
+    if device == "cuda":
+        torch.cuda.synchronize()  # the kernel writes pinned host bytes asynchronously
     covered = torch.zeros(at + 16, dtype=torch.bool)
     for (cache, unit_ids), start in zip(parts, starts):
         n = len(unit_ids) * math.prod(cache.shape[1:]) * cache.element_size()
@@ -111,11 +132,59 @@ def test_gather_and_scatter_parts_match_explicit_indexing(device):
     fresh = [torch.full_like(c, 7 if c.dtype == torch.uint8 else float("nan")) for c in caches]
     dest = [[1, 2, 5, 19], [0, 20, 4, 6], [5], [0], []]
     cache_ops.scatter_parts(list(zip(fresh, dest)), packed, starts)
+    if place in ("pinned", "pageable"):
+        assert (outer[:256] == 0xAB).all() and (outer[256 + at + 16 :] == 0xAB).all()  # nothing outside the slice
     for got, cache, src_ids, dst_ids in zip(fresh, caches, ids, dest):
         got, cache = got.cpu(), cache.cpu()
         assert torch.equal(got[dst_ids], cache[src_ids])
         others = [i for i in range(got.shape[0]) if i not in dst_ids]
         assert (got[others] == 7).all() if got.dtype == torch.uint8 else got[others].isnan().all()
+    kernel = device == "cuda" and place != "pageable" and HAS_KERNELS
+    assert launches == ([True, False] if kernel else [])  # one copy_runs launch each way, or the reference
+
+
+def test_run_list_applied_byte_by_byte_moves_what_indexing_moves():
+    """The run list the copy_runs kernel follows, carried out here with memmove on host tensors: the
+    same bytes as explicit indexing, each run at most RUN_BYTES, no two runs writing the same byte."""
+    g = torch.Generator().manual_seed(5)
+    caches = [torch.randn(12, 2, 16, 9, generator=g)[:, 1],  # V of a [blocks, 2, ...] cache: units a stride apart
+              torch.randn(12, 16, 5, generator=g).to(torch.bfloat16),
+              torch.randn(4, 150, 150, generator=g),  # 90000 bytes a unit: two runs
+              torch.randint(0, 255, (4, 7), generator=g).to(torch.uint8), torch.empty(4, 0)]
+    plan = cache_ops.RunPlan(caches, [0, 0, 1, 1, 1])
+    ids = [[11, 2, 7], [3]]
+    starts, at = [], 0
+    for cache, group in zip(caches, plan.groups):
+        at = -(-at // 16) * 16
+        starts.append(at)
+        at += len(ids[group]) * cache[0].numel() * cache.element_size()
+    packed = torch.full((at,), 0xAB, dtype=torch.uint8)
+    runs = plan.run_list(ids, packed.data_ptr(), starts, gather=True)
+    assert (runs[:, 2] > 0).all() and (runs[:, 2] <= cache_ops.RUN_BYTES).all()
+    spans = sorted((int(dst), int(dst + n)) for _, dst, n in runs)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    for src, dst, n in runs:
+        ctypes.memmove(int(dst), int(src), int(n))
+    want = torch.full_like(packed, 0xAB)
+    plan.gather(ids, want, starts)  # the torch reference on host tensors
+    assert torch.equal(packed, want)
+    fresh = [torch.zeros(12, 2, 16, 9)[:, 1]] + [torch.zeros_like(c) for c in caches[1:]]
+    back = cache_ops.RunPlan(fresh, plan.groups)
+    for src, dst, n in back.run_list([[0, 5, 9], [1]], packed.data_ptr(), starts, gather=False):
+        ctypes.memmove(int(dst), int(src), int(n))
+    for got, cache, group in zip(fresh, caches, plan.groups):
+        dest = [[0, 5, 9], [1]][group]
+        assert torch.equal(got[dest], cache[ids[group]])
+        assert not got[[i for i in range(len(got)) if i not in dest]].any()
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C")
+def test_mapped_address_of_pinned_memory_and_a_clear_error_otherwise():
+    pinned = torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True)
+    base = get_C().mapped_address(pinned.data_ptr())
+    assert get_C().mapped_address(pinned[4096:].data_ptr()) == base + 4096  # a region inside the buffer
+    with pytest.raises(RuntimeError, match="mapped_address"):
+        get_C().mapped_address(torch.empty(1 << 16, dtype=torch.uint8).data_ptr())  # pageable
 
 
 def test_empty_block_ids():

@@ -84,7 +84,7 @@ def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
 
 def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch):
     """Gathers into pinned memory and scatters from it with the kernel, byte for byte as on the CPU."""
-    from atom.kv_transfer.mooncake.staging import BlockMover, packed_bytes
+    from atom.kv_transfer.mooncake.staging import BlockMover, HostBuffer, packed_bytes
     from atom.ops import cache_ops
 
     launches = []
@@ -98,16 +98,28 @@ def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch):
     blocks, slot = [7, 2, 5], 3
     n = packed_bytes(kinds, BlockMover(cpu, kinds).unit_bytes, len(blocks))
     want = torch.full((n,), 0xAB, dtype=torch.uint8)
-    got = torch.full((n,), 0xAB, dtype=torch.uint8, pin_memory=True)
+    host = HostBuffer(2 * n + 4096, pin=True)  # a region inside a pinned buffer, as the connector lends
+    host.tensor.fill_(0xAB)
+    host.take(n)  # a first region, so ours starts inside the buffer
+    got = host.region(host.take(n), n)
     BlockMover(cpu, kinds).gather(blocks, slot, want)
-    BlockMover(gpu, kinds).gather(blocks, slot, got)
+    mover = BlockMover(gpu, kinds)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mover.gather(blocks, slot, got)
+    # The kernel writes the pinned bytes itself: no device buffer the size of the transfer.
+    assert torch.cuda.max_memory_allocated() - before < n // 4
     assert torch.equal(got, want) and not want[17322:17328].any()
     assert launches == [{"gather": True}]  # one copy_runs launch for the four tensors
     # Back into other blocks and another slot of poisoned caches.
     fresh_cpu = [torch.full_like(t, float("nan")) for t in cpu]
     fresh_gpu = [t.cuda() for t in fresh_cpu]
     BlockMover(fresh_cpu, kinds).scatter(want, [0, 8, 4], 1)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     BlockMover(fresh_gpu, kinds).scatter(got, [0, 8, 4], 1)
+    assert torch.cuda.max_memory_allocated() - before < n // 4
     assert launches == [{"gather": True}, {"gather": False}]
     for a, b in zip(fresh_gpu, fresh_cpu):
         assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))

@@ -14,13 +14,17 @@ tests compare the two.
 ``gather_parts`` / ``scatter_parts`` do a whole request at once: several cache
 tensors' units (blocks, or a state slot) packed one tensor's part after another
 into one uint8 buffer. On a GPU that is one ``copy_runs`` launch over a list of
-byte runs built on the host, instead of a launch (and its Python) per tensor.
+byte runs built on the host, instead of a launch (and its Python) per tensor. The
+buffer may be in the caches' device memory or in pinned host memory: the kernel
+then reads or writes the host bytes over the bus itself (zero-copy), so moving a
+request to or from the host takes no device buffer of its size and no second copy.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Union
 
 import numpy as np
 import torch
@@ -72,40 +76,101 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.
 RUN_BYTES = 64 << 10  # copy_runs' runs are at most this long, so one long unit spreads over many blocks
 
 Part = tuple[torch.Tensor, list[int]]  # a cache tensor and the ids of its units to move, in order
+Ids = Union[dict[int, list[int]], list[list[int]]]  # a RunPlan call's unit ids, by group
 
 
 def gather_parts(parts: list[Part], packed: torch.Tensor, starts: list[int]) -> None:
     """For each part i: ``packed[starts[i]:]`` viewed as ``[len(ids), *cache.shape[1:]]`` =
-    ``cache[ids]``. ``packed`` is uint8; each start must suit its cache's dtype."""
-    if _parts_kernel_applies(parts, packed):
-        _launch_runs(parts, packed, starts, gather=True)
-        return
-    for (cache, ids), start in zip(parts, starts):
-        gather_blocks_ref(cache, torch.tensor(ids, dtype=torch.int64), _part_view(packed, start, cache, len(ids)))
+    ``cache[ids]``. ``packed`` is uint8; each start must suit its cache's dtype. Like a
+    ``non_blocking`` copy, the kernel is queued on the current stream: synchronize it before
+    reading a pinned host ``packed``."""
+    plan, ids = RunPlan.of_parts(parts)
+    plan.gather(ids, packed, starts)
 
 
 def scatter_parts(parts: list[Part], packed: torch.Tensor, starts: list[int]) -> None:
     """The inverse of ``gather_parts``: ``cache[ids] =`` each part of ``packed``. Ids must be distinct."""
-    if _parts_kernel_applies(parts, packed):
-        _launch_runs(parts, packed, starts, gather=False)
-        return
-    for (cache, ids), start in zip(parts, starts):
-        scatter_blocks_ref(cache, torch.tensor(ids, dtype=torch.int64), _part_view(packed, start, cache, len(ids)))
+    plan, ids = RunPlan.of_parts(parts)
+    plan.scatter(ids, packed, starts)
+
+
+class RunPlan:
+    """``gather_parts`` / ``scatter_parts`` for a fixed list of cache tensors, prepared once.
+
+    ``groups[i]`` says which tensors share their unit ids (a request's block tensors; its slot
+    tensors): a call passes one id list a group. All a call computes is the run list's addresses,
+    a few array operations a group; looking at every tensor again on each call cost ~0.25 ms on
+    the H200's host for the 26 tensors of the decode bench model (GPU_NOTES.md, session 32)."""
+
+    def __init__(self, caches: list[torch.Tensor], groups: list[int]) -> None:
+        self.caches, self.groups = caches, groups
+        device = caches[0].device if caches else torch.device("cpu")
+        self.device = device
+        self.on_gpu = device.type == "cuda" and all(c.device == device and _units_dense(c) for c in caches)
+        self._plans = []  # per group: its tensors (one a run), each run's offset in its unit, the unit's address
+        for group in sorted(set(groups)):  # in unit 0, the tensor's unit stride, unit bytes, run lengths
+            members = [i for i, g in enumerate(groups) if g == group]
+            units = tuple(math.prod(caches[i].shape[1:]) * caches[i].element_size() for i in members)
+            offsets, lengths, owner = _unit_runs(units)
+            tensor = np.array(members, dtype=np.int64)[owner]
+            address = np.array([caches[i].data_ptr() for i in members], dtype=np.int64)[owner]
+            stride = np.array([caches[i].stride(0) * caches[i].element_size() for i in members], dtype=np.int64)
+            self._plans.append((group, tensor, offsets, address + offsets, stride[owner],
+                                np.array(units, dtype=np.int64)[owner], lengths))
+
+    @classmethod
+    def of_parts(cls, parts: list[Part]) -> tuple[RunPlan, Ids]:
+        """A plan for one call: parts with equal id lists form a group."""
+        group_of: dict[tuple[int, ...], int] = {}
+        groups = [group_of.setdefault(tuple(ids), len(group_of)) for _, ids in parts]
+        return cls([cache for cache, _ in parts], groups), {g: list(ids) for ids, g in group_of.items()}
+
+    def gather(self, ids: Ids, packed: torch.Tensor, starts: list[int]) -> None:
+        """Each tensor's units ``ids[its group]`` into ``packed`` from ``starts[tensor]`` on."""
+        self._move(ids, packed, starts, gather=True)
+
+    def scatter(self, ids: Ids, packed: torch.Tensor, starts: list[int]) -> None:
+        """The inverse of ``gather``. Ids must be distinct."""
+        self._move(ids, packed, starts, gather=False)
+
+    def run_list(self, ids: Ids, packed_address: int, starts: list[int], gather: bool) -> np.ndarray:
+        """copy_runs' int64 [runs, 3] (source, destination, bytes), the packed bytes at ``packed_address``."""
+        at = np.asarray(starts, dtype=np.int64)
+        blocks = [np.empty((0, 3), dtype=np.int64)]
+        for group, tensor, offsets, cache_at, stride, unit, lengths in self._plans:
+            unit_ids = np.asarray(ids[group], dtype=np.int64)
+            if not unit_ids.size or not lengths.size:
+                continue
+            at_cache = cache_at[:, None] + stride[:, None] * unit_ids
+            at_packed = (packed_address + at[tensor] + offsets)[:, None] + unit[:, None] * np.arange(unit_ids.size)
+            src, dst = (at_cache, at_packed) if gather else (at_packed, at_cache)
+            blocks.append(np.stack([src.ravel(), dst.ravel(), np.repeat(lengths, unit_ids.size)], 1))
+        return np.concatenate(blocks)
+
+    def _move(self, ids: Ids, packed: torch.Tensor, starts: list[int], gather: bool) -> None:
+        if self._kernel_applies(packed):
+            base = packed.data_ptr() if packed.is_cuda else get_C().mapped_address(packed.data_ptr())
+            _launch_runs(self.run_list(ids, base, starts, gather), self.device, gather=gather)
+            return
+        ref = gather_blocks_ref if gather else scatter_blocks_ref
+        for cache, group, start in zip(self.caches, self.groups, starts):
+            unit_ids = ids[group]
+            ref(cache, torch.tensor(unit_ids, dtype=torch.int64), _part_view(packed, start, cache, len(unit_ids)))
+
+    def _kernel_applies(self, packed: torch.Tensor) -> bool:
+        """The caches on one GPU with dense units; ``packed`` on that GPU or in pinned host memory."""
+        return (
+            self.on_gpu
+            and packed.dtype == torch.uint8
+            and packed.is_contiguous()
+            and use_kernels()
+            and (packed.device == self.device or (packed.device.type == "cpu" and packed.is_pinned()))
+        )
 
 
 def _part_view(packed: torch.Tensor, start: int, cache: torch.Tensor, n: int) -> torch.Tensor:
     nbytes = n * math.prod(cache.shape[1:]) * cache.element_size()
     return packed[start : start + nbytes].view(cache.dtype).view(n, *cache.shape[1:])
-
-
-def _parts_kernel_applies(parts: list[Part], packed: torch.Tensor) -> bool:
-    return (
-        packed.is_cuda
-        and packed.dtype == torch.uint8
-        and packed.is_contiguous()
-        and all(cache.device == packed.device and _units_dense(cache) for cache, _ in parts)
-        and use_kernels()
-    )
 
 
 def _units_dense(cache: torch.Tensor) -> bool:
@@ -119,31 +184,13 @@ def _units_dense(cache: torch.Tensor) -> bool:
     return True
 
 
-def _launch_runs(parts: list[Part], packed: torch.Tensor, starts: list[int], gather: bool) -> None:
-    """One copy_runs launch: every unit of every part as runs of at most RUN_BYTES. Parts that share
-    their ids (a request's block tensors; its slot tensors) are laid out together, so the host work is a
-    few array operations, not a few per tensor (26 tensors took 0.66 ms one by one on the H200's host)."""
-    groups: dict[tuple[int, ...], list[tuple[int, int, int, int]]] = {}
-    for (cache, ids), start in zip(parts, starts):
-        unit = math.prod(cache.shape[1:]) * cache.element_size()
-        if ids and unit:
-            groups.setdefault(tuple(ids), []).append(
-                (cache.data_ptr(), cache.stride(0) * cache.element_size(), unit, start))
-    if not groups:
+def _launch_runs(runs: np.ndarray, device: torch.device, gather: bool) -> None:
+    """One copy_runs launch (``gather`` only names the direction, for callers that count launches)."""
+    if not len(runs):
         return
-    blocks = []
-    for ids, tensors in groups.items():
-        info = np.array(tensors, dtype=np.int64)  # [tensors, 4]: address, stride, unit, start
-        offsets, lengths, owner = _unit_runs(tuple(t[2] for t in tensors))
-        at_cache = (info[owner, 0] + offsets)[:, None] + info[owner, 1][:, None] * np.array(ids, dtype=np.int64)
-        at_packed = ((packed.data_ptr() + info[owner, 3] + offsets)[:, None]
-                     + info[owner, 2][:, None] * np.arange(len(ids), dtype=np.int64))
-        src, dst = (at_cache, at_packed) if gather else (at_packed, at_cache)
-        blocks.append(np.stack([src.ravel(), dst.ravel(), np.broadcast_to(lengths[:, None], src.shape).ravel()], 1))
-    runs = torch.from_numpy(np.concatenate(blocks))
-    with torch.cuda.device(packed.device):
+    with torch.cuda.device(device):
         # A plain upload (a few KB): pinning a fresh buffer each call cost ~0.6 ms on the H200 (GPU_NOTES.md).
-        on_device = runs.to(packed.device)
+        on_device = torch.from_numpy(runs).to(device)
         get_C().copy_runs(on_device.data_ptr(), on_device.shape[0], torch.cuda.current_stream().cuda_stream)
 
 

@@ -5,9 +5,8 @@ Mooncake's TCP transport, and its build without CUDA, read and write host memory
 
     producer cache --gather--> producer's host buffer --Mooncake--> consumer's host buffer --scatter--> consumer cache
 
-The gather and the scatter are ``cache_ops.gather_blocks`` / ``scatter_blocks``: the ``atom._C``
-kernels on a GPU, the torch references elsewhere. Either side may go through its buffer or not;
-the bytes are the same.
+The gather and the scatter are a ``cache_ops.RunPlan``'s: on a GPU one ``copy_runs`` launch that
+writes or reads the pinned buffer itself, the torch references elsewhere. Either side may go through its buffer or not; the bytes are the same.
 
 Packed order (both sides compute it from the same layout): the cache tensors in the connector's
 canonical order, each part starting on 16 bytes; a block tensor's part is the request's blocks in
@@ -109,9 +108,10 @@ class HostBuffer:
 class BlockMover:
     """Gathers a request's blocks and slot into packed host bytes, and scatters them back.
 
-    On a GPU the packed bytes are assembled in device memory (one ``copy_runs`` launch for every
-    tensor) and cross to the host in one copy, and back in one copy before the scatter. Blocking (each call waits for
-    its copies): run it in a worker thread. The copies run on a stream of their own:
+    On a GPU one ``copy_runs`` launch moves every tensor's units, and it reads or writes the pinned
+    host bytes itself (zero-copy): no device buffer of the transfer's size, which the cache's memory
+    budget never counted, and no second copy. Blocking (each call waits for its kernel): run it in a
+    worker thread. The kernels run on a stream of their own:
     - a gather does not wait for the engine's forward passes (the default stream): the blocks and slot
       of a hold were last written by the step that finished the request, whose tokens reached the
       host before the hold existed, and nothing writes them until the hold is released. So a busy
@@ -124,9 +124,7 @@ class BlockMover:
         self.device = tensors[0].device
         self.unit_bytes = [t.stride(0) * t.element_size() for t in tensors]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    def _parts(self, block_ids: list[int], state_slot: int) -> list[cache_ops.Part]:
-        return [(t, block_ids if kind == "block" else [state_slot]) for t, kind in zip(self.tensors, self.kinds)]
+        self.plan = cache_ops.RunPlan(tensors, [0 if kind == "block" else 1 for kind in kinds])
 
     def _gaps(self, starts: list[int], num_blocks: int) -> list[tuple[int, int]]:
         """The padding between the packed parts (``starts``: packed_offsets)."""
@@ -135,23 +133,20 @@ class BlockMover:
         return [(end, start) for end, start in zip(ends, starts[1:]) if start > end]
 
     def gather(self, block_ids: list[int], state_slot: int, host: torch.Tensor) -> None:
-        """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes)."""
+        """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes; pinned when
+        the caches are on a GPU)."""
         starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
+        for start, end in self._gaps(starts, len(block_ids)):  # no stale bytes go out between the parts
+            host[start:end].zero_()
         with self._on_stream(after_queued_work=False):
-            packed = host if self._stream is None else torch.empty_like(host, device=self.device)
-            cache_ops.gather_parts(self._parts(block_ids, state_slot), packed, starts)
-            for start, end in self._gaps(starts, len(block_ids)):  # no stale bytes go out between the parts
-                packed[start:end].zero_()
-            if packed is not host:
-                host.copy_(packed, non_blocking=True)
+            self.plan.gather([block_ids, [state_slot]], host, starts)
             self._wait()
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], state_slot: int) -> None:
         """Unpacks ``host`` (as ``gather`` packed it) into the blocks and the slot."""
         starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
         with self._on_stream(after_queued_work=True):
-            packed = host.to(self.device, non_blocking=True)
-            cache_ops.scatter_parts(self._parts(block_ids, state_slot), packed, starts)
+            self.plan.scatter([block_ids, [state_slot]], host, starts)
             self._wait()
 
     def _on_stream(self, after_queued_work: bool):
