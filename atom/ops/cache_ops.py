@@ -148,24 +148,28 @@ class RunPlan:
         return np.concatenate(blocks)
 
     def _move(self, ids: Ids, packed: torch.Tensor, starts: list[int], gather: bool) -> None:
-        if self._kernel_applies(packed):
-            base = packed.data_ptr() if packed.is_cuda else get_C().mapped_address(packed.data_ptr())
-            _launch_runs(self.run_list(ids, base, starts, gather), self.device, gather=gather)
+        address = self._kernel_address(packed)
+        if address is not None:
+            _launch_runs(self.run_list(ids, address, starts, gather), self.device, gather=gather)
             return
         ref = gather_blocks_ref if gather else scatter_blocks_ref
         for cache, group, start in zip(self.caches, self.groups, starts):
             unit_ids = ids[group]
             ref(cache, torch.tensor(unit_ids, dtype=torch.int64), _part_view(packed, start, cache, len(unit_ids)))
 
-    def _kernel_applies(self, packed: torch.Tensor) -> bool:
-        """The caches on one GPU with dense units; ``packed`` on that GPU or in pinned host memory."""
-        return (
-            self.on_gpu
-            and packed.dtype == torch.uint8
-            and packed.is_contiguous()
-            and use_kernels()
-            and (packed.device == self.device or (packed.device.type == "cpu" and packed.is_pinned()))
-        )
+    def _kernel_address(self, packed: torch.Tensor) -> int | None:
+        """Where the kernel reaches ``packed``, or None where the torch reference runs: the kernel needs the
+        caches on one GPU with dense units, and ``packed`` on that GPU or in host memory mapped for it."""
+        if not (self.on_gpu and packed.dtype == torch.uint8 and packed.is_contiguous() and use_kernels()):
+            return None
+        if packed.device == self.device:
+            return packed.data_ptr()
+        if packed.device.type != "cpu":
+            return None
+        try:
+            return get_C().mapped_address(packed.data_ptr())
+        except RuntimeError:  # pageable memory, or pinned without a device mapping
+            return None
 
 
 def _part_view(packed: torch.Tensor, start: int, cache: torch.Tensor, n: int) -> torch.Tensor:
