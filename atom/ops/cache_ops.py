@@ -95,7 +95,8 @@ def scatter_parts(parts: list[Part], packed: torch.Tensor, starts: list[int]) ->
 
 
 class RunPlan:
-    """``gather_parts`` / ``scatter_parts`` for a fixed list of cache tensors, prepared once.
+    """``gather_parts`` / ``scatter_parts`` for a fixed list of cache tensors (which must not move),
+    prepared once.
 
     ``groups[i]`` says which tensors share their unit ids (a request's block tensors; its slot
     tensors): a call passes one id list a group. All a call computes is the run list's addresses,
@@ -107,8 +108,10 @@ class RunPlan:
         device = caches[0].device if caches else torch.device("cpu")
         self.device = device
         self.on_gpu = device.type == "cuda" and all(c.device == device and _units_dense(c) for c in caches)
-        self._plans = []  # per group: its tensors (one a run), each run's offset in its unit, the unit's address
-        for group in sorted(set(groups)):  # in unit 0, the tensor's unit stride, unit bytes, run lengths
+        # Per group, one entry a run of one unit: which tensor, its offset in the unit, its address in unit 0,
+        # the tensor's unit stride and unit bytes, its length.
+        self._plans: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        for group in sorted(set(groups)):
             members = [i for i, g in enumerate(groups) if g == group]
             units = tuple(math.prod(caches[i].shape[1:]) * caches[i].element_size() for i in members)
             offsets, lengths, owner = _unit_runs(units)

@@ -6,7 +6,8 @@ Mooncake's TCP transport, and its build without CUDA, read and write host memory
     producer cache --gather--> producer's host buffer --Mooncake--> consumer's host buffer --scatter--> consumer cache
 
 The gather and the scatter are a ``cache_ops.RunPlan``'s: on a GPU one ``copy_runs`` launch that
-writes or reads the pinned buffer itself, the torch references elsewhere. Either side may go through its buffer or not; the bytes are the same.
+writes or reads the pinned buffer itself, the torch references elsewhere. Either side may go
+through its buffer or not; the bytes are the same.
 
 Packed order (both sides compute it from the same layout): the cache tensors in the connector's
 canonical order, each part starting on 16 bytes; a block tensor's part is the request's blocks in
