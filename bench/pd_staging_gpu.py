@@ -1,13 +1,12 @@
 """The P/D host buffer's gather and scatter on a GPU, against plain copies of the same bytes.
 
 A request's blocks of a paged cache (and one state slot) go to pinned host memory through
-``BlockMover.gather`` (one ``copy_runs`` launch that writes the pinned bytes itself) and back
-through ``BlockMover.scatter`` (one launch that reads them). Baselines, timed in the same process
-and interleaved:
+``BlockMover.gather`` (``copy_runs`` launches into a bounded device buffer, each window copied to
+the host) and back through ``BlockMover.scatter``. Baselines, timed in the same process and
+interleaved:
 - one ``copy_`` of the same number of contiguous bytes device -> pinned host and back: what the
   PCIe link gives one copy;
-- "staged": the same kernel into a device buffer, then one copy to the host (and one copy to the
-  device, then the kernel), the mover's way before it wrote the pinned bytes itself.
+- "zero-copy": one ``copy_runs`` launch that writes (reads) the pinned bytes itself over the bus.
 Each figure is the best of three interleaved rounds, a round's figure the median of ``--repeats``
 calls (wall time: each call waits for its copies, as the connector's worker thread does).
 
@@ -67,8 +66,8 @@ def main() -> None:
     num_blocks = max(lens) // BLOCK * 2
     tensors, kinds = caches(num_blocks, args.device)
     mover = BlockMover(tensors, kinds)
-    print(f"{'tokens':>7} {'MiB':>8} {'gather GB/s':>12} {'staged':>7} {'D2H copy':>9} {'ratio':>6} "
-          f"{'scatter GB/s':>13} {'staged':>7} {'H2D copy':>9} {'ratio':>6}")
+    print(f"{'tokens':>7} {'MiB':>8} {'gather GB/s':>12} {'zero-copy':>9} {'D2H copy':>9} {'ratio':>6} "
+          f"{'scatter GB/s':>13} {'zero-copy':>9} {'H2D copy':>9} {'ratio':>6}")
     for n in lens:
         blocks = torch.randperm(num_blocks)[: n // BLOCK].tolist()
         nbytes = packed_bytes(kinds, mover.unit_bytes, len(blocks))
@@ -88,17 +87,16 @@ def main() -> None:
             device.copy_(host, non_blocking=True)
             sync()
 
-        def staged_gather():
-            mover.plan.gather([blocks, [1]], device, starts)
-            d2h()
-
-        def staged_scatter():
-            device.copy_(host, non_blocking=True)
-            mover.plan.scatter([blocks, [0]], device, starts)
+        def zero_copy_gather():
+            mover.plan.gather([blocks, [1]], host, starts)
             sync()
 
-        calls = {"gather": lambda: mover.gather(blocks, 1, host), "staged_gather": staged_gather, "d2h": d2h,
-                 "scatter": lambda: mover.scatter(host, blocks, 0), "staged_scatter": staged_scatter, "h2d": h2d}
+        def zero_copy_scatter():
+            mover.plan.scatter([blocks, [0]], host, starts)
+            sync()
+
+        calls = {"gather": lambda: mover.gather(blocks, 1, host), "zero_copy_gather": zero_copy_gather, "d2h": d2h,
+                 "scatter": lambda: mover.scatter(host, blocks, 0), "zero_copy_scatter": zero_copy_scatter, "h2d": h2d}
         for fn in calls.values():
             fn()  # warm-up: allocations, first launches
         rows = {name: [] for name in calls}
@@ -106,9 +104,9 @@ def main() -> None:
             for name, fn in calls.items():
                 rows[name].append(median_seconds(fn, args.repeats))
         rate = {name: nbytes / min(times) / 1e9 for name, times in rows.items()}
-        print(f"{n:>7} {nbytes / 2**20:>8.1f} {rate['gather']:>12.2f} {rate['staged_gather']:>7.2f} "
+        print(f"{n:>7} {nbytes / 2**20:>8.1f} {rate['gather']:>12.2f} {rate['zero_copy_gather']:>9.2f} "
               f"{rate['d2h']:>9.2f} {rate['gather'] / rate['d2h']:>6.2f} {rate['scatter']:>13.2f} "
-              f"{rate['staged_scatter']:>7.2f} {rate['h2d']:>9.2f} {rate['scatter'] / rate['h2d']:>6.2f}")
+              f"{rate['zero_copy_scatter']:>9.2f} {rate['h2d']:>9.2f} {rate['scatter'] / rate['h2d']:>6.2f}")
 
 if __name__ == "__main__":
     main()

@@ -97,8 +97,8 @@ def test_gather_and_scatter_parts_match_explicit_indexing(device, place, monkeyp
     with no units; poisoned buffers, so a byte written where it should not be shows. Host buffers
     are a slice inside a larger one, as the P/D host buffer's regions are."""
     launches = []
-    inner = cache_ops._launch_runs
-    monkeypatch.setattr(cache_ops, "_launch_runs", lambda *a, **kw: (launches.append(kw["gather"]), inner(*a, **kw)))
+    inner = cache_ops.launch_runs
+    monkeypatch.setattr(cache_ops, "launch_runs", lambda *a, **kw: (launches.append(kw["gather"]), inner(*a, **kw)))
     g = torch.Generator().manual_seed(3)
     kv = torch.randn(2, 21, 16, 8, generator=g)
     caches = [kv[0], torch.randn(21, 16, 24, generator=g).to(torch.bfloat16),
@@ -176,6 +176,47 @@ def test_run_list_applied_byte_by_byte_moves_what_indexing_moves():
         dest = [[0, 5, 9], [1]][group]
         assert torch.equal(got[dest], cache[ids[group]])
         assert not got[[i for i in range(len(got)) if i not in dest]].any()
+
+
+@pytest.mark.parametrize("window", [1000, 4096, 1 << 20])
+def test_windows_through_a_small_buffer_move_what_indexing_moves(window):
+    """A request larger than the mover's device buffer goes through it a window at a time
+    (``runs_within``): carried out with memmove through a host buffer of ``window`` bytes, gathering
+    and scattering give the bytes explicit indexing gives; windows that cut runs included."""
+    g = torch.Generator().manual_seed(6)
+    caches = [torch.randn(12, 2, 16, 9, generator=g)[:, 0], torch.randn(4, 150, 150, generator=g),
+              torch.randint(0, 255, (4, 7), generator=g).to(torch.uint8)]
+    plan = cache_ops.RunPlan(caches, [0, 1, 1])
+    ids = [[3, 11, 0], [2]]
+    starts, at = [], 0
+    for cache, group in zip(caches, plan.groups):
+        at = -(-at // 16) * 16
+        starts.append(at)
+        at += len(ids[group]) * cache[0].numel() * cache.element_size()
+    staging = torch.zeros(window, dtype=torch.uint8)
+    packed = torch.zeros(at, dtype=torch.uint8)
+    runs = plan.run_list(ids, 0, starts, gather=True)  # the packed side as offsets
+    for start in range(0, at, window):
+        end = min(start + window, at)
+        for src, dst, n in cache_ops.runs_within(runs, 1, start, end, staging.data_ptr()):
+            assert staging.data_ptr() <= dst and dst + n <= staging.data_ptr() + end - start
+            ctypes.memmove(int(dst), int(src), int(n))
+        packed[start:end] = staging[: end - start]
+    want = torch.zeros(at, dtype=torch.uint8)
+    plan.gather(ids, want, starts)
+    assert torch.equal(packed, want)
+    fresh = [torch.zeros(12, 2, 16, 9)[:, 0], torch.zeros(4, 150, 150), torch.zeros(4, 7, dtype=torch.uint8)]
+    back = cache_ops.RunPlan(fresh, plan.groups)
+    dest = [[5, 1, 7], [3]]
+    runs = back.run_list(dest, 0, starts, gather=False)
+    for start in range(0, at, window):
+        end = min(start + window, at)
+        staging[: end - start] = packed[start:end]
+        for src, dst, n in cache_ops.runs_within(runs, 0, start, end, staging.data_ptr()):
+            ctypes.memmove(int(dst), int(src), int(n))
+    for got, cache, group in zip(fresh, caches, plan.groups):
+        assert torch.equal(got[dest[group]], cache[ids[group]])
+        assert not got[[i for i in range(len(got)) if i not in dest[group]]].any()
 
 
 @pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C")

@@ -16,8 +16,9 @@ tensors' units (blocks, or a state slot) packed one tensor's part after another
 into one uint8 buffer. On a GPU that is one ``copy_runs`` launch over a list of
 byte runs built on the host, instead of a launch (and its Python) per tensor. The
 buffer may be in the caches' device memory or in pinned host memory: the kernel
-then reads or writes the host bytes over the bus itself (zero-copy), so moving a
-request to or from the host takes no device buffer of its size and no second copy.
+then reads or writes the host bytes over the bus itself (zero-copy). That needs no
+device buffer, but the kernel holds its SMs for the whole transfer, so the P/D
+mover goes through a device buffer and the copy engine instead (``runs_within``).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class RunPlan:
     def _move(self, ids: Ids, packed: torch.Tensor, starts: list[int], gather: bool) -> None:
         address = self._kernel_address(packed)
         if address is not None:
-            _launch_runs(self.run_list(ids, address, starts, gather), self.device, gather=gather)
+            launch_runs(self.run_list(ids, address, starts, gather), self.device, gather=gather)
             return
         ref = gather_blocks_ref if gather else scatter_blocks_ref
         for cache, group, start in zip(self.caches, self.groups, starts):
@@ -175,6 +176,21 @@ class RunPlan:
             return None
 
 
+def runs_within(runs: np.ndarray, packed_column: int, start: int, end: int, address: int) -> np.ndarray:
+    """The parts of ``runs`` whose packed side (column 0 or 1, an offset into the packed bytes) falls
+    in ``[start, end)``, cut at those bounds, with that side moved to ``address + offset - start``.
+    Moving a request through a device buffer smaller than it, a window at a time."""
+    other = 1 - packed_column
+    lo = np.maximum(runs[:, packed_column], start)
+    hi = np.minimum(runs[:, packed_column] + runs[:, 2], end)
+    keep = hi > lo
+    out = np.empty((int(keep.sum()), 3), dtype=np.int64)
+    out[:, packed_column] = address + lo[keep] - start
+    out[:, other] = runs[keep, other] + (lo[keep] - runs[keep, packed_column])
+    out[:, 2] = hi[keep] - lo[keep]
+    return out
+
+
 def _part_view(packed: torch.Tensor, start: int, cache: torch.Tensor, n: int) -> torch.Tensor:
     nbytes = n * math.prod(cache.shape[1:]) * cache.element_size()
     return packed[start : start + nbytes].view(cache.dtype).view(n, *cache.shape[1:])
@@ -191,7 +207,7 @@ def _units_dense(cache: torch.Tensor) -> bool:
     return True
 
 
-def _launch_runs(runs: np.ndarray, device: torch.device, gather: bool) -> None:
+def launch_runs(runs: np.ndarray, device: torch.device, gather: bool) -> None:
     """One copy_runs launch (``gather`` only names the direction, for callers that count launches)."""
     if not len(runs):
         return

@@ -5,9 +5,9 @@ Mooncake's TCP transport, and its build without CUDA, read and write host memory
 
     producer cache --gather--> producer's host buffer --Mooncake--> consumer's host buffer --scatter--> consumer cache
 
-The gather and the scatter are a ``cache_ops.RunPlan``'s: on a GPU one ``copy_runs`` launch that
-writes or reads the pinned buffer itself, the torch references elsewhere. Either side may go
-through its buffer or not; the bytes are the same.
+The gather and the scatter are a ``cache_ops.RunPlan``'s run list: on a GPU ``copy_runs`` launches
+through a bounded device buffer and copies to and from the pinned buffer (``BlockMover``), the torch
+references elsewhere. Either side may go through its buffer or not; the bytes are the same.
 
 Packed order (both sides compute it from the same layout): the cache tensors in the connector's
 canonical order, each part starting on 16 bytes; a block tensor's part is the request's blocks in
@@ -17,11 +17,12 @@ prompt order, a slot tensor's its one state slot.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import threading
 
 import torch
 
 from atom.ops import cache_ops
+from atom.ops._C_loader import use_kernels
 
 ALIGN = 256  # regions of the host buffer start on this many bytes
 PART_ALIGN = 16  # each tensor's part of the packed bytes starts on this many bytes, so it views as its dtype
@@ -106,13 +107,18 @@ class HostBuffer:
         return offset
 
 
+STAGING_BYTES = 64 << 20  # a GPU mover's device buffer: a larger transfer goes through it a window at a time
+
+
 class BlockMover:
     """Gathers a request's blocks and slot into packed host bytes, and scatters them back.
 
-    On a GPU one ``copy_runs`` launch moves every tensor's units, and it reads or writes the pinned
-    host bytes itself (zero-copy): no device buffer of the transfer's size, which the cache's memory
-    budget never counted, and no second copy. Blocking (each call waits for its kernel): run it in a
-    worker thread. The kernels run on a stream of their own:
+    On a GPU a ``copy_runs`` launch packs every tensor's units into a device buffer of at most
+    ``STAGING_BYTES`` and one copy takes them to the host, a window at a time (the reverse for a
+    scatter). Not straight into the pinned region: a kernel that crosses the bus itself holds its
+    SMs for the whole transfer, and beside a memory-bound kernel that cost the H200 ~80% of that
+    kernel's speed (GPU_NOTES.md, session 32); the copy engine costs it nothing. Blocking (each call
+    waits for its copies): run it in a worker thread. The work runs on a stream of its own:
     - a gather does not wait for the engine's forward passes (the default stream): the blocks and slot
       of a hold were last written by the step that finished the request, whose tokens reached the
       host before the hold existed, and nothing writes them until the hold is released. So a busy
@@ -126,6 +132,8 @@ class BlockMover:
         self.unit_bytes = [t.stride(0) * t.element_size() for t in tensors]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.plan = cache_ops.RunPlan(tensors, [0 if kind == "block" else 1 for kind in kinds])
+        self._staging: torch.Tensor | None = None  # allocated at the first transfer on a GPU
+        self._enqueue = threading.Lock()  # one transfer's windows go on the stream together
 
     def _gaps(self, starts: list[int], num_blocks: int) -> list[tuple[int, int]]:
         """The padding between the packed parts (``starts``: packed_offsets)."""
@@ -134,29 +142,40 @@ class BlockMover:
         return [(end, start) for end, start in zip(ends, starts[1:]) if start > end]
 
     def gather(self, block_ids: list[int], state_slot: int, host: torch.Tensor) -> None:
-        """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes; pinned when
-        the caches are on a GPU)."""
+        """Packs the blocks and the slot into ``host`` (a uint8 region of packed_bytes)."""
         starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
+        self._move([block_ids, [state_slot]], host, starts, gather=True)
         for start, end in self._gaps(starts, len(block_ids)):  # no stale bytes go out between the parts
             host[start:end].zero_()
-        with self._on_stream(after_queued_work=False):
-            self.plan.gather([block_ids, [state_slot]], host, starts)
-            self._wait()
 
     def scatter(self, host: torch.Tensor, block_ids: list[int], state_slot: int) -> None:
         """Unpacks ``host`` (as ``gather`` packed it) into the blocks and the slot."""
         starts = packed_offsets(self.kinds, self.unit_bytes, len(block_ids))
-        with self._on_stream(after_queued_work=True):
-            self.plan.scatter([block_ids, [state_slot]], host, starts)
-            self._wait()
+        self._move([block_ids, [state_slot]], host, starts, gather=False)
 
-    def _on_stream(self, after_queued_work: bool):
-        if self._stream is None:
-            return contextlib.nullcontext()
-        if after_queued_work:
+    def _move(self, ids: list[list[int]], host: torch.Tensor, starts: list[int], gather: bool) -> None:
+        if self._stream is None or not self.plan.on_gpu or not use_kernels():
+            (self.plan.gather if gather else self.plan.scatter)(ids, host, starts)  # the torch reference
+            return
+        if not gather:
             self._stream.wait_stream(torch.cuda.default_stream(self.device))
-        return torch.cuda.stream(self._stream)
+        runs = self.plan.run_list(ids, 0, starts, gather)  # the packed side as offsets
+        column = 1 if gather else 0
+        with self._enqueue, torch.cuda.stream(self._stream):
+            staging = self._staging_buffer()
+            for start in range(0, starts[-1], staging.numel()):  # starts[-1]: where the packed bytes end
+                end = min(start + staging.numel(), starts[-1])
+                window = cache_ops.runs_within(runs, column, start, end, staging.data_ptr())
+                if gather:
+                    cache_ops.launch_runs(window, self.device, gather=True)
+                    host[start:end].copy_(staging[: end - start], non_blocking=True)
+                else:
+                    staging[: end - start].copy_(host[start:end], non_blocking=True)
+                    cache_ops.launch_runs(window, self.device, gather=False)
+        self._stream.synchronize()
 
-    def _wait(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+    def _staging_buffer(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+        return self._staging
+
