@@ -143,6 +143,16 @@ def test_gather_and_scatter_parts_match_explicit_indexing(device, place, monkeyp
     assert launches == ([True, False] if kernel else [])  # one copy_runs launch each way, or the reference
 
 
+def _packed_starts(caches: list[torch.Tensor], ids: list[list[int]]) -> tuple[list[int], int]:
+    """Each cache's part start in the packed bytes (16-byte aligned), and where they end."""
+    starts, at = [], 0
+    for cache, unit_ids in zip(caches, ids):
+        at = -(-at // 16) * 16
+        starts.append(at)
+        at += len(unit_ids) * cache[0].numel() * cache.element_size()
+    return starts, at
+
+
 def test_run_list_applied_byte_by_byte_moves_what_indexing_moves():
     """The run list the copy_runs kernel follows, carried out here with memmove on host tensors: the
     same bytes as explicit indexing, each run at most RUN_BYTES, no two runs writing the same byte."""
@@ -153,11 +163,7 @@ def test_run_list_applied_byte_by_byte_moves_what_indexing_moves():
               torch.randint(0, 255, (4, 7), generator=g).to(torch.uint8), torch.empty(4, 0)]
     plan = cache_ops.RunPlan(caches, [0, 0, 1, 1, 1])
     ids = [[11, 2, 7], [3]]
-    starts, at = [], 0
-    for cache, group in zip(caches, plan.groups):
-        at = -(-at // 16) * 16
-        starts.append(at)
-        at += len(ids[group]) * cache[0].numel() * cache.element_size()
+    starts, at = _packed_starts(caches, [ids[group] for group in plan.groups])
     packed = torch.full((at,), 0xAB, dtype=torch.uint8)
     runs = plan.run_list(ids, packed.data_ptr(), starts, gather=True)
     assert (runs[:, 2] > 0).all() and (runs[:, 2] <= cache_ops.RUN_BYTES).all()
@@ -188,11 +194,7 @@ def test_windows_through_a_small_buffer_move_what_indexing_moves(window):
               torch.randint(0, 255, (4, 7), generator=g).to(torch.uint8)]
     plan = cache_ops.RunPlan(caches, [0, 1, 1])
     ids = [[3, 11, 0], [2]]
-    starts, at = [], 0
-    for cache, group in zip(caches, plan.groups):
-        at = -(-at // 16) * 16
-        starts.append(at)
-        at += len(ids[group]) * cache[0].numel() * cache.element_size()
+    starts, at = _packed_starts(caches, [ids[group] for group in plan.groups])
     staging = torch.zeros(window, dtype=torch.uint8)
     packed = torch.zeros(at, dtype=torch.uint8)
     runs = plan.run_list(ids, 0, starts, gather=True)  # the packed side as offsets
