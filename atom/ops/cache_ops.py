@@ -108,7 +108,7 @@ class RunPlan:
         self.caches, self.groups = caches, groups
         device = caches[0].device if caches else torch.device("cpu")
         self.device = device
-        self.on_gpu = device.type == "cuda" and all(c.device == device and _units_dense(c) for c in caches)
+        self._on_gpu = device.type == "cuda" and all(c.device == device and _units_dense(c) for c in caches)
         # Per group, one entry a run of one unit: which tensor, its offset in the unit, its address in unit 0,
         # the tensor's unit stride and unit bytes, its length.
         self._plans: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -121,6 +121,11 @@ class RunPlan:
             stride = np.array([caches[i].stride(0) * caches[i].element_size() for i in members], dtype=np.int64)
             self._plans.append((group, tensor, offsets, address + offsets, stride[owner],
                                 np.array(units, dtype=np.int64)[owner], lengths))
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether ``copy_runs`` can move these caches' units (into packed bytes on their GPU)."""
+        return self._on_gpu and use_kernels()
 
     @classmethod
     def of_parts(cls, parts: list[Part]) -> tuple[RunPlan, Ids]:
@@ -164,7 +169,7 @@ class RunPlan:
     def _kernel_address(self, packed: torch.Tensor) -> int | None:
         """Where the kernel reaches ``packed``, or None where the torch reference runs: the kernel needs the
         caches on one GPU with dense units, and ``packed`` on that GPU or in host memory mapped for it."""
-        if not (self.on_gpu and packed.dtype == torch.uint8 and packed.is_contiguous() and use_kernels()):
+        if not (self.uses_kernel and packed.dtype == torch.uint8 and packed.is_contiguous()):
             return None
         if packed.device == self.device:
             return packed.data_ptr()

@@ -22,7 +22,6 @@ import threading
 import torch
 
 from atom.ops import cache_ops
-from atom.ops._C_loader import use_kernels
 
 ALIGN = 256  # regions of the host buffer start on this many bytes
 PART_ALIGN = 16  # each tensor's part of the packed bytes starts on this many bytes, so it views as its dtype
@@ -154,7 +153,7 @@ class BlockMover:
         self._move([block_ids, [state_slot]], host, starts, gather=False)
 
     def _move(self, ids: list[list[int]], host: torch.Tensor, starts: list[int], gather: bool) -> None:
-        if self._stream is None or not self.plan.on_gpu or not use_kernels():
+        if not self.plan.uses_kernel:
             (self.plan.gather if gather else self.plan.scatter)(ids, host, starts)  # the torch reference
             return
         if not gather:
