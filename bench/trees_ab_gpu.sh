@@ -12,7 +12,8 @@
 #
 # Both trees are built first, side by side. Each run's whole output goes to $OUT (default ./trees_ab_out); the
 # lines that match the second argument (an extended regex) are printed per tree and round. BASE_TAR names
-# another archive; TIMEOUT limits each run (default 120 s).
+# another archive; TIMEOUT limits each run (default 120 s). Each run's PYTHONPATH is its tree, then any PYTHONPATH
+# already set (e.g. /tmp/site, where the device notes install carried wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 2 ] || { echo "usage: bash bench/trees_ab_gpu.sh COMMAND PATTERN (see the header)" >&2; exit 2; }
@@ -34,7 +35,7 @@ for round in $(seq "${ROUNDS:-2}"); do
     dir=$PWD
     [ $tree = base ] && dir=$base
     log=$OUT/${tree}_round$round.txt
-    (cd "$dir" && PYTHONPATH=$dir timeout "${TIMEOUT:-120}" bash -c "$command" > "$log" 2>&1)
+    (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} timeout "${TIMEOUT:-120}" bash -c "$command" > "$log" 2>&1)
     echo "== $tree, round $round (rc $?)"
     grep -E "$pattern" "$log"
   done

@@ -7,7 +7,8 @@ request's prompt blocks and state slot with the gather kernel into pinned host m
 writes them into the consumer's host buffer, and the consumer scatters them into its blocks and
 slot with the scatter kernel. Greedy tokens through the router must equal the CPU reference path's,
 one request at a time and several at once; afterwards neither server holds a block, a slot or a
-region of its host buffer.
+region of its host buffer. With Mooncake's CUDA build installed, the same runs with
+``kv_buffer_device="cache"``: Mooncake reads and writes the GPU caches themselves.
 
 Skipped without CUDA, a built ``atom._C``, Mooncake or aiohttp.
 """
@@ -50,6 +51,7 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
 
 def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
     """Serve a random Kimi-Linear checkpoint as 1P1D on ``device``; check tokens and that all is freed."""
+    through_host = kv_extra.get("kv_buffer_device", "auto") != "cache"
     from atom import LLM
     from tests.pd_cluster import RouterThread, ServeProcess, kv_config, metrics, stop_all, wait_all_free
 
@@ -73,7 +75,8 @@ def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
         assert together == expected
         for proc in procs:
             wait_all_free(proc.url)  # blocks, slots and host-buffer regions
-            assert metrics(proc.url)["atom_kv_transfer_staged_bytes_total"] > 0, "the host buffer was not used"
+            staged = metrics(proc.url).get("atom_kv_transfer_staged_bytes_total", 0)
+            assert (staged > 0) == through_host, f"{staged} bytes went through the host buffer"
     except BaseException:
         for proc in procs:
             print(f"--- {proc.log_path}\n{proc.log_tail()}")
@@ -110,12 +113,14 @@ def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch, w
     host.take(n)  # a first region, so ours starts inside the buffer
     got = host.region(host.take(n), n)
     BlockMover(cpu, kinds).gather(blocks, slot, want)
-    mover = BlockMover(gpu, kinds)
     torch.cuda.synchronize()
+    made = torch.cuda.memory_allocated()
+    mover = BlockMover(gpu, kinds)
+    assert torch.cuda.memory_allocated() - made >= staging.STAGING_BYTES  # the device buffer, made with the mover
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     mover.gather(blocks, slot, got)
-    if window is not None:  # the device buffer and the run list, not the transfer
+    if window is not None:  # the run list, not the transfer
         assert torch.cuda.max_memory_allocated() - before < n // 2
     assert torch.equal(got, want) and not want[17322:17328].any()
     assert launches == [True] * windows  # one copy_runs launch a window for the four tensors
@@ -127,6 +132,14 @@ def test_gpu_block_mover_packs_and_unpacks_what_the_cpu_path_does(monkeypatch, w
     assert launches == [True] * windows + [False] * windows
     for a, b in zip(fresh_gpu, fresh_cpu):
         assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8))
+
+
+def test_gpu_block_mover_that_does_not_fit_fails_when_made_naming_the_fix(monkeypatch):
+    from atom.kv_transfer.mooncake import staging
+
+    monkeypatch.setattr(staging, "STAGING_BYTES", 1 << 50)  # a PiB: more than any GPU has
+    with pytest.raises(ValueError, match="lower --kv-cache-memory by that much"):
+        staging.BlockMover([torch.zeros(4, 16, 8, device="cuda")], ["block"])
 
 
 def test_gpu_caches_registered_directly_need_mooncakes_cuda_build():
@@ -145,3 +158,13 @@ def test_gpu_caches_registered_directly_need_mooncakes_cuda_build():
 
 def test_gpu_pd_through_host_buffers_matches_cpu_reference(tmp_path):
     run_pd(tmp_path, "cuda", {})  # kv_buffer_device "auto": the host buffer, for caches on a GPU
+
+
+def test_gpu_pd_with_the_caches_registered_directly_matches_cpu_reference(tmp_path):
+    """kv_buffer_device "cache": Mooncake's CUDA build registers the GPU caches themselves and reads and
+    writes the blocks and slots there (its TCP transport copies them through host memory itself)."""
+    from atom.kv_transfer.mooncake.transfer import installed_without_cuda
+
+    if installed_without_cuda():
+        pytest.skip("needs Mooncake's CUDA build (mooncake-transfer-engine): this one reads host memory only")
+    run_pd(tmp_path, "cuda", {"kv_buffer_device": "cache"})

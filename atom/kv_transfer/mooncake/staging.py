@@ -112,12 +112,13 @@ STAGING_BYTES = 64 << 20  # a GPU mover's device buffer: a larger transfer goes 
 class BlockMover:
     """Gathers a request's blocks and slot into packed host bytes, and scatters them back.
 
-    On a GPU a ``copy_runs`` launch packs every tensor's units into a device buffer of at most
-    ``STAGING_BYTES`` and one copy takes them to the host, a window at a time (the reverse for a
-    scatter). Not straight into the pinned region: a kernel that crosses the bus itself holds its
-    SMs for the whole transfer, and beside a memory-bound kernel that cost the H200 ~80% of that
-    kernel's speed (GPU_NOTES.md, session 32); the copy engine costs it nothing. Blocking (each call
-    waits for its copies): run it in a worker thread. The work runs on a stream of its own:
+    On a GPU a ``copy_runs`` launch packs every tensor's units into a device buffer of
+    ``STAGING_BYTES`` (allocated with the mover, at the engine's start) and one copy takes them to
+    the host, a window at a time (the reverse for a scatter). Not straight into the pinned region: a
+    kernel that crosses the bus itself holds its SMs for the whole transfer, and beside a
+    memory-bound kernel that cost the H200 ~80% of that kernel's speed (GPU_NOTES.md, session 32);
+    the copy engine costs it nothing. Blocking (each call waits for its copies): run it in a worker
+    thread. The work runs on a stream of its own:
     - a gather does not wait for the engine's forward passes (the default stream): the blocks and slot
       of a hold were last written by the step that finished the request, whose tokens reached the
       host before the hold existed, and nothing writes them until the hold is released. So a busy
@@ -131,8 +132,10 @@ class BlockMover:
         self.unit_bytes = [t.stride(0) * t.element_size() for t in tensors]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.plan = cache_ops.RunPlan(tensors, [0 if kind == "block" else 1 for kind in kinds])
-        self._staging: torch.Tensor | None = None  # allocated at the first transfer on a GPU
         self._enqueue = threading.Lock()  # one transfer's windows go on the stream together
+        self._staging: torch.Tensor | None = None
+        if self.plan.uses_kernel:  # at start-up: a buffer that does not fit fails there, not on a request
+            self._staging_buffer()
 
     def _gaps(self, starts: list[int], num_blocks: int) -> list[tuple[int, int]]:
         """The padding between the packed parts (``starts``: packed_offsets)."""
@@ -175,6 +178,12 @@ class BlockMover:
 
     def _staging_buffer(self) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+            try:
+                self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+            except torch.cuda.OutOfMemoryError as e:
+                raise ValueError(
+                    f"no room on {self.device} for the P/D transfers' {STAGING_BYTES / 2**20:.0f} MiB device buffer "
+                    "beside the model and the KV cache; lower --kv-cache-memory by that much (or --max-num-seqs "
+                    "or --max-model-len)") from e
         return self._staging
 
