@@ -138,3 +138,20 @@ def test_bad_handoff_params_are_rejected(servers):
         status, body = _post(servers["consumer"], _decode_body(bad))
         assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
     wait_all_free(servers["consumer"])
+
+
+@pytest.mark.parametrize("max_tokens", [4, None])
+def test_a_handoff_past_the_first_token_is_refused_and_the_producer_serves_on(servers, max_tokens):
+    """The producer hands a request off at its prompt's end: one that would decode on (and move its
+    recurrent state past the prompt) is a client's mistake, refused before it runs. It once ran, then
+    failed the producer's hand-off check and stopped that engine for every request."""
+    producer = servers["producer"]
+    status, body = _post(producer, {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                                    "ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
+    assert f"set max_tokens to 1 (got {max_tokens})" in body["error"]["message"]
+    status, body = _post(producer, {"model": "m", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                    "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    assert _prefill(producer)["num_tokens"] == len(PROMPT)  # hand-offs still work
+    wait_all_free(producer, timeout=LEASE + 10)  # the hold nobody pulls ends with its lease

@@ -70,6 +70,11 @@ class MooncakeConnectorScheduler:
         if self.is_producer:
             if set(params) - {"do_remote_decode"} or not isinstance(params.get("do_remote_decode", False), bool):
                 raise ValueError('a kv_producer takes kv_transfer_params {"do_remote_decode": true} only')
+            if params.get("do_remote_decode") and request.sampling_params.max_tokens != 1:
+                # The hand-off is at the prompt's end: a second step would move the recurrent state past it.
+                raise ValueError(
+                    'kv_transfer_params {"do_remote_decode": true} hands the request to a consumer after its first '
+                    f"token: set max_tokens to 1 (got {request.sampling_params.max_tokens}), as the router does")
             return 0
         if "transfer_id" not in params:
             raise ValueError("this engine is a kv_consumer: kv_transfer_params must be the ones the prefill "
