@@ -45,7 +45,7 @@ class SamplingParams:
     def _validate_sampling(self) -> None:
         if self.n != 1:
             raise ValueError(f"n={self.n} is not supported; ATOM returns one sequence per request, use n=1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1 to disable")
@@ -57,8 +57,11 @@ class SamplingParams:
             raise ValueError(f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
+        if not self.repetition_penalty > 0:  # NaN too
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0; use 1 to disable")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
+            # the request's generator takes a 64-bit seed: a larger one failed only inside the engine's step
+            raise ValueError(f"seed={self.seed} must be an integer in [-2**63, 2**63 - 1], or None for no seed")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

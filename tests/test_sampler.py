@@ -45,6 +45,11 @@ def seeded(seed):
         {"presence_penalty": 2.5},
         {"frequency_penalty": -2.5},
         {"repetition_penalty": 0.0},
+        {"temperature": float("nan")},
+        {"repetition_penalty": float("nan")},
+        {"seed": 2**63},
+        {"seed": -(2**63) - 1},
+        {"seed": 1.5},
         {"logprobs": -1},
         {"prompt_logprobs": -1},
     ],
@@ -52,6 +57,12 @@ def seeded(seed):
 def test_invalid_params_raise(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_seeds_at_the_ends_of_the_64_bit_range_are_taken():
+    for seed in (-(2**63), 2**63 - 1):
+        assert SamplingParams(seed=seed).seed == seed
+        torch.Generator().manual_seed(seed)  # what the runner does with it
 
 
 def test_n_error_names_the_field():

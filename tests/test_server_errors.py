@@ -50,6 +50,8 @@ BAD_REQUESTS = {
     "max_tokens zero": (COMPLETIONS, _completion(prompt="x", max_tokens=0), "max_tokens"),
     "top_p zero": (COMPLETIONS, _completion(prompt="x", top_p=0), "top_p"),
     "negative temperature": (COMPLETIONS, _completion(prompt="x", temperature=-0.5), "temperature"),
+    # Once passed to the engine, where it failed the step and stopped the engine for every request.
+    "seed beyond 64 bits": (COMPLETIONS, _completion(prompt="x", seed=2**70), "seed"),
     "presence_penalty range": (COMPLETIONS, _completion(prompt="x", presence_penalty=5), "presence_penalty"),
     "min_tokens over max": (COMPLETIONS, _completion(prompt="x", min_tokens=9, max_tokens=4), "min_tokens"),
     "n above one": (COMPLETIONS, _completion(prompt="x", n=2), "n"),
