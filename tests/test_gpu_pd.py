@@ -51,10 +51,11 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
 
 def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
     """Serve a random Kimi-Linear checkpoint as 1P1D on ``device``; check tokens and that all is freed."""
-    through_host = kv_extra.get("kv_buffer_device", "auto") != "cache"
     from atom import LLM
+    from atom.kv_transfer.base import KVTransferConfig
     from tests.pd_cluster import RouterThread, ServeProcess, kv_config, metrics, stop_all, wait_all_free
 
+    through_host = KVTransferConfig("mooncake", "kv_consumer", **kv_extra).uses_host_buffer(device)
     path = checkpoints.make_kimi_checkpoint(str(tmp_path / "kimi"), "kda_mla")
     common = ["--model", path, "--dtype", "float32", "--device", device, "--served-model-name", "m",
               "--max-num-batched-tokens", "16"]
