@@ -14,7 +14,7 @@ Mooncake engine into a separate target process, so both figures share the machin
 
     python bench/pd.py [--model llama|kimi|PATH] [--prompt-lens 256,512,1024] [--output-len 32]
                        [--repeats 3] [--speculative-config JSON] [--device cpu|cuda]
-                       [--kv-buffer-device auto|cpu|cache]
+                       [--kv-buffer-device auto|cpu|cache] [--batches 16,64]
 """
 
 from __future__ import annotations
@@ -135,11 +135,13 @@ def raw_write_seconds(transfers: list[dict]) -> list[float]:
 
 # -- the clients' view ----------------------------------------------------------------------------------
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int):
-    """(TTFT s, TPOT s, token ids) of one streamed greedy completion."""
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int,
+                      arrivals: list[float] | None = None):
+    """(TTFT s, TPOT s, token ids) of one streamed greedy completion; ``arrivals`` gets each chunk's time."""
     body = {"model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
-    start, arrivals, ids = time.perf_counter(), [], []
+    start, ids = time.perf_counter(), []
+    arrivals = [] if arrivals is None else arrivals
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: {resp.status} {await resp.text()}")
@@ -178,6 +180,34 @@ async def measure(urls: dict[str, str], prompts: list[list[int]], output_len: in
         return rows
 
 
+async def measure_batches(urls: dict[str, str], prompt_len: int, output_len: int, repeats: int,
+                          batches: list[int]):
+    """Per batch size N and mode: N distinct prompts at once; the median TPOT over the requests, and the
+    tokens after each request's first over the time from the first first token to the last token (median of
+    the repeats, modes interleaved). In 1P1D the decode runs on the consumer."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    rows = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for n in batches:
+            prompts = [[(7 * i + 11 * k + 1) % 300 + 3 for i in range(prompt_len)] for k in range(n)]
+            samples = {mode: [] for mode in urls}
+            tokens = {}
+            for _ in range(repeats):
+                for mode, url in urls.items():
+                    arrivals = [[] for _ in prompts]
+                    results = await asyncio.gather(*(one_request(session, url, p, output_len, a)
+                                                     for p, a in zip(prompts, arrivals)))
+                    decoded = sum(len(ids) - 1 for _, _, ids in results)
+                    window = max(a[-1] for a in arrivals) - min(a[0] for a in arrivals)
+                    samples[mode].append((statistics.median(tpot for _, tpot, _ in results), decoded / window))
+                    tokens.setdefault(mode, [ids for _, _, ids in results])
+            same = tokens["1P1D"] == tokens["colocated"]
+            for mode in urls:
+                rows.append((n, mode, statistics.median(s[0] for s in samples[mode]),
+                             statistics.median(s[1] for s in samples[mode]), same))
+    return rows
+
+
 # -- the run ------------------------------------------------------------------------------------------------
 
 def bench_llama(path: str) -> str:
@@ -208,6 +238,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="passed to every server")
     parser.add_argument("--kv-buffer-device", default="auto", choices=["auto", "cpu", "cache"],
                         help="the connector's kv_buffer_device on both P/D sides")
+    parser.add_argument("--batches", default="", help="also N requests at once for each N listed (e.g. 16,64), "
+                        "of the first prompt length: decode TPOT and tokens/s, colocated and on the consumer")
     args = parser.parse_args()
 
     os.environ.update(MOONCAKE_ENV)  # this process's own Mooncake engine too (the raw write)
@@ -239,8 +271,10 @@ def main() -> None:
         for proc in procs.values():
             proc.wait_listening(300)
         with RouterThread([procs["producer"].url], [procs["consumer"].url]) as router:
-            rows = asyncio.run(measure({"colocated": procs["colocated"].url, "1P1D": router.url}, prompts,
-                                       args.output_len, args.repeats))
+            urls = {"colocated": procs["colocated"].url, "1P1D": router.url}
+            rows = asyncio.run(measure(urls, prompts, args.output_len, args.repeats))
+            batches = [int(n) for n in args.batches.split(",") if n]
+            batch_rows = asyncio.run(measure_batches(urls, lens[0], args.output_len, args.repeats, batches))
     finally:
         stop_all(list(procs.values()))
 
@@ -249,6 +283,11 @@ def main() -> None:
     print(f"{'prompt':>7} {'mode':>10} {'TTFT ms':>9} {'TPOT ms':>9}  same tokens")
     for n, mode, ttft, tpot, same in rows:
         print(f"{n:>7} {mode:>10} {ttft * 1e3:>9.1f} {tpot * 1e3:>9.2f}  {same}")
+    if batch_rows:
+        print(f"requests at once, prompts of {lens[0]} tokens:")
+        print(f"{'batch':>7} {'mode':>10} {'TPOT ms':>9} {'tok/s':>9}  same tokens")
+        for n, mode, tpot, rate, same in batch_rows:
+            print(f"{n:>7} {mode:>10} {tpot * 1e3:>9.2f} {rate:>9.0f}  {same}")
 
     # [1:]: leave out the warm-up request's.
     for what, proc, kind in [("producer gathers", "producer", "gather"), ("consumer scatters", "consumer", "scatter")]:

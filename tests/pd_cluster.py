@@ -46,7 +46,8 @@ class ServeProcess:
         self.url: str | None = None
 
     def wait_listening(self, timeout: float = 120.0) -> str:
-        """Block until the server prints its address (a reader thread, so a silent server times out)."""
+        """Block until the server prints its address (a reader thread, so a silent server times out);
+        a server that exits first fails at once."""
         found = threading.Event()
 
         def read() -> None:
@@ -55,11 +56,14 @@ class ServeProcess:
                 if match and self.url is None:
                     self.url = match.group(1)
                     found.set()
+            found.set()  # stdout closed: the server has exited
 
         threading.Thread(target=read, daemon=True).start()
-        if not found.wait(timeout):
+        if not found.wait(timeout) or self.url is None:
+            closed = found.is_set()
             self.stop()
-            raise RuntimeError(f"the server did not start within {timeout} s; log:\n{self.log_tail()}")
+            why = f"exited with {self.proc.returncode}" if closed else f"did not start within {timeout} s"
+            raise RuntimeError(f"the server {why}; log:\n{self.log_tail()}")
         return self.url
 
     def log_tail(self, lines: int = 30) -> str:

@@ -10,6 +10,11 @@ one request at a time and several at once; afterwards neither server holds a blo
 region of its host buffer. With Mooncake's CUDA build installed, the same runs with
 ``kv_buffer_device="cache"``: Mooncake reads and writes the GPU caches themselves.
 
+A consumer through the host buffer decodes with deferred tokens, as a colocated engine does (its
+steps return before their tokens reach the host; ``defers_tokens``); with ``"cache"`` it does not.
+One run makes the consumer's blocks and state slots scarce, so loads land in blocks and slots that
+requests still decoding on the graphs have just given up.
+
 Skipped without CUDA, a built ``atom._C``, Mooncake or aiohttp.
 """
 
@@ -40,8 +45,8 @@ PROMPTS = [list(range(40, 77)), [(7 * i) % 300 + 3 for i in range(48)], [11, 12,
 MAX_TOKENS = 12
 
 
-def _complete(url: str, prompt: list[int]) -> list[int]:
-    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+def _complete(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -49,8 +54,11 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
         return json.loads(resp.read())["choices"][0]["token_ids"]
 
 
-def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
-    """Serve a random Kimi-Linear checkpoint as 1P1D on ``device``; check tokens and that all is freed."""
+def run_pd(tmp_path, device: str, kv_extra: dict, requests: list[tuple[list[int], int]] | None = None,
+           consumer_args: tuple[str, ...] = ()) -> None:
+    """Serve a random Kimi-Linear checkpoint as 1P1D on ``device``; check tokens and that all is freed.
+
+    ``requests`` (prompt, max_tokens) all go at once; by default PROMPTS go one at a time, then at once."""
     from atom import LLM
     from atom.kv_transfer.base import KVTransferConfig
     from tests.pd_cluster import RouterThread, ServeProcess, kv_config, metrics, stop_all, wait_all_free
@@ -59,25 +67,30 @@ def run_pd(tmp_path, device: str, kv_extra: dict) -> None:
     path = checkpoints.make_kimi_checkpoint(str(tmp_path / "kimi"), "kda_mla")
     common = ["--model", path, "--dtype", "float32", "--device", device, "--served-model-name", "m",
               "--max-num-batched-tokens", "16"]
-    procs = [ServeProcess(common + ["--kv-transfer-config", kv_config(role, **kv_extra)], str(tmp_path / f"{role}.log"))
-             for role in ("kv_producer", "kv_consumer")]
+    roles = {"kv_producer": (), "kv_consumer": consumer_args}
+    procs = [ServeProcess(common + [*extra, "--kv-transfer-config", kv_config(role, **kv_extra)],
+                          str(tmp_path / f"{role}.log")) for role, extra in roles.items()]
+    one_by_one = requests is None
+    requests = requests or [(p, MAX_TOKENS) for p in PROMPTS]
     try:
         llm = LLM(path, dtype="float32")  # the CPU reference path, while the servers start
-        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
         expected = [o.outputs[0].token_ids
-                    for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
+                    for o in llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)]
         for proc in procs:
             proc.wait_listening(180)
         with RouterThread([procs[0].url], [procs[1].url]) as router:
-            one_at_a_time = [_complete(router.url, p) for p in PROMPTS]
-            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-                together = list(pool.map(lambda p: _complete(router.url, p), PROMPTS))
-        assert one_at_a_time == expected
+            if one_by_one:
+                assert [_complete(router.url, p, n) for p, n in requests] == expected
+            with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+                together = list(pool.map(lambda r: _complete(router.url, *r), requests))
         assert together == expected
         for proc in procs:
             wait_all_free(proc.url)  # blocks, slots and host-buffer regions
             staged = metrics(proc.url).get("atom_kv_transfer_staged_bytes_total", 0)
             assert (staged > 0) == through_host, f"{staged} bytes went through the host buffer"
+        deferred = metrics(procs[1].url)["atom_deferred_decode_steps_total"]
+        assert (deferred > 0) == through_host, f"the consumer deferred {deferred} steps' tokens"
     except BaseException:
         for proc in procs:
             print(f"--- {proc.log_path}\n{proc.log_tail()}")
@@ -159,6 +172,16 @@ def test_gpu_caches_registered_directly_need_mooncakes_cuda_build():
 
 def test_gpu_pd_through_host_buffers_matches_cpu_reference(tmp_path):
     run_pd(tmp_path, "cuda", {})  # kv_buffer_device "auto": the host buffer, for caches on a GPU
+
+
+def test_gpu_pd_consumer_with_scarce_blocks_and_slots_matches_cpu_reference(tmp_path):
+    """Ten requests at once of 20 to 65 prompt tokens and 3 to 21 new ones, on a consumer with 4 state
+    slots and 24 blocks of 16 tokens (4 requests of the longest): requests end at different steps
+    while others decode on the graphs with their tokens deferred, and the next loads scatter into
+    the blocks and slots just given up (slots are reused newest first, blocks oldest first)."""
+    requests = [([(13 * i + 5 * k) % 290 + 5 for i in range(20 + 5 * k)], 3 + (7 * k) % 19) for k in range(10)]
+    run_pd(tmp_path, "cuda", {}, requests, ("--max-num-seqs", "4", "--num-gpu-blocks-override", "24",
+                                                        "--max-model-len", "96"))
 
 
 def test_gpu_pd_with_the_caches_registered_directly_matches_cpu_reference(tmp_path):

@@ -400,6 +400,24 @@ def test_scheduler_half_consumer_validates_params():
     assert meta.cancelled_loads == ["c"]
 
 
+def test_only_a_consumer_through_the_host_buffer_defers_tokens(kimi_ckpt):
+    """A step on the decode graphs returns before its tokens reach the host (async scheduling) on a consumer whose
+    transfers go through the host buffer, and never where transfers read the caches outside the stream's order."""
+    from atom.config import EngineConfig
+    from atom.worker.model_runner import defers_tokens
+
+    def defers(role=None, where="cpu", async_scheduling=True, drafter=False):
+        kv = None if role is None else {"kv_connector": "mooncake", "kv_role": role, "kv_buffer_device": where}
+        config = EngineConfig(model=kimi_ckpt, async_scheduling=async_scheduling, kv_transfer_config=kv)
+        return defers_tokens(config, drafter)
+
+    assert defers() and defers("kv_consumer", "cpu")
+    assert not defers("kv_consumer", "cache") and not defers("kv_consumer", "auto")  # auto on the CPU: the caches
+    assert not defers("kv_producer", "cpu") and not defers("kv_producer", "cache")
+    assert not defers(async_scheduling=False) and not defers("kv_consumer", "cpu", async_scheduling=False)
+    assert not defers(drafter=True) and not defers("kv_consumer", "cpu", drafter=True)
+
+
 def test_host_buffer_settings_are_checked(kimi_ckpt, monkeypatch):
     from atom.config import EngineConfig
     from atom.engine.engine_core import EngineCore

@@ -154,6 +154,7 @@ def test_models_health_metrics(llama_server):
     for gauge in ("atom_num_requests_running", "atom_num_requests_waiting", "atom_kv_block_usage",
                   "atom_state_slot_usage"):
         assert f"{gauge}[]" in after
+    assert after["atom_deferred_decode_steps_total[]"] == 0  # on a CPU no step runs on decode graphs
     with urllib.request.urlopen(f"{llama_server.url}/health") as resp:
         assert resp.status == 200 and resp.read() == b'{"status":"ok"}'
 

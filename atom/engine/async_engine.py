@@ -282,6 +282,7 @@ class AsyncEngine:
             "kv_block_usage": kv.block_usage,
             "state_slot_usage": kv.state_usage,
             "num_preemptions": sched.num_preemptions,
+            "deferred_steps": self.core.runner.num_deferred_steps,
         }
         worker = self.core.connector_worker
         if worker is not None:

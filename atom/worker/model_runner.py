@@ -25,6 +25,19 @@ from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import emitted_logprobs, verify
 
 
+def defers_tokens(config: EngineConfig, has_drafter: bool) -> bool:
+    """Whether a step on the decode graphs may return before its tokens reach the host: with async
+    scheduling and no drafter. With a KV connector only on a consumer whose transfers go through the host
+    buffer. Its loads go out after the update of the step beside them, and an update waits for that step's
+    tokens, so the step has ended on the device; its scatters also wait for the steps queued on the stream
+    (staging.BlockMover). A producer's gathers, and Mooncake's own reads and writes of registered caches,
+    do not follow the stream's order: there a step has finished on the device when it returns."""
+    kv = config.kv_transfer_config
+    if not config.async_scheduling or has_drafter:
+        return False
+    return kv is None or (not kv.is_producer and kv.uses_host_buffer(config.device))
+
+
 @dataclass
 class CachedRequestState:
     prompt_token_ids: list[int]
@@ -63,10 +76,9 @@ class ModelRunner:
         self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
         # Async scheduling: greedy steps on the graphs return before their tokens reach the host
         # (atom/worker/deferred.py); these are the ones not yet known to be there, oldest first.
-        # Not with a KV connector: its transfers read the caches outside the stream's order, so
-        # there a step must have finished on the device when it returns.
-        self.defer_tokens = config.async_scheduling and self.drafter is None and config.kv_transfer_config is None
+        self.defer_tokens = defers_tokens(config, self.drafter is not None)
         self._deferred: list[DeferredTokens] = []
+        self.num_deferred_steps = 0  # steps that returned before their tokens reached the host
         self._ring = PinnedRing()  # host landing buffers for sampled ids
 
     @property
@@ -151,6 +163,7 @@ class ModelRunner:
         deferred = DeferredTokens(tokens, [s.request_id for s in rows], histories, out, host)
         self._ring.lend(slot, deferred)
         self._deferred = [d for d in self._deferred if not d.resolved] + [deferred]
+        self.num_deferred_steps += 1
         out.wait = deferred.resolve
 
     def _execute_steps(self, sched: SchedulerOutput, chained: bool) -> RunnerOutput:

@@ -37,6 +37,9 @@ class ServerMetrics:
         self.staged = Counter("atom_kv_transfer_staged_bytes",
                               "P/D: bytes gathered into or scattered from the connector's host buffer", registry=r)
         self._staged_seen = 0
+        self.deferred = Counter("atom_deferred_decode_steps", "Decode steps that returned before their tokens "
+                                "reached the host (async scheduling)", registry=r)
+        self._deferred_seen = 0
         self.spec_drafted = Counter("atom_spec_decode_draft_tokens", "Draft tokens proposed and verified",
                                     registry=r)
         self.spec_accepted = Counter("atom_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -82,4 +85,7 @@ class ServerMetrics:
         staged = engine_stats.get("kv_transfer_staged_bytes", 0)
         self.staged.inc(staged - self._staged_seen)
         self._staged_seen = staged
+        deferred = engine_stats.get("deferred_steps", 0)
+        self.deferred.inc(deferred - self._deferred_seen)
+        self._deferred_seen = deferred
         return generate_latest(self.registry)
