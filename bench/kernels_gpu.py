@@ -53,7 +53,8 @@ except ImportError:
 
 from atom.ops._C_loader import get_C  # noqa: E402
 from atom.ops.cuda._launch import dtype_code  # noqa: E402
-from atom.ops.cuda.mla import _num_sms, choose_num_splits  # noqa: E402
+from atom.ops.cuda._launch import num_sms as _num_sms  # noqa: E402
+from atom.ops.cuda.mla import choose_num_splits  # noqa: E402
 
 _FLUSH = None
 FLUSH_MODE = "read"  # --flush

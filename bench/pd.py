@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,9 +49,13 @@ def serve_timed(argv: list[str]) -> int:
     from atom import cli
     from atom.kv_transfer.mooncake import staging, transfer
 
+    lock = threading.Lock()  # gathers and scatters log from several threads: one whole line at a time
+
     def log(kind: str, nbytes: int, start: float, **extra) -> None:
         line = {"kind": kind, "bytes": nbytes, "seconds": time.perf_counter() - start, **extra}
-        print(TRANSFER_TAG + json.dumps(line), file=sys.stderr, flush=True)
+        with lock:
+            sys.stderr.write(TRANSFER_TAG + json.dumps(line) + "\n")
+            sys.stderr.flush()
 
     write = transfer.MooncakeTransfer.write
     gather, scatter = staging.BlockMover.gather, staging.BlockMover.scatter

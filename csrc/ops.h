@@ -184,6 +184,21 @@ const char* write_latent_cache(uintptr_t cache, int64_t block_stride, int64_t ro
                                uintptr_t slot_mapping, int slot_dtype, int64_t num_tokens, int64_t rank,
                                int64_t rope_dim, int dtype, uintptr_t stream);
 
+// ---- paged_attention.cu: GQA decode attention of dense models over paged K and V caches.
+//
+// q [rows, heads, head_dim] contiguous, one query token a row; K and V caches [num_blocks, block_size,
+// kv_heads, head_dim] at the given element strides (the same for both; head_dim contiguous); row t reads
+// its first seq_lens[t] positions through block_tables row t (int32/int64, row stride in elements). out
+// [rows, heads, head_dim] in out_dtype (float32 or the cache's dtype); num_splits > 1 needs o_part [rows,
+// splits, heads, head_dim] and lse_part [rows, splits, heads] (float32). A row of length 0 gives zeros.
+const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
+                                   int64_t token_stride, int64_t head_stride, int64_t block_size,
+                                   uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
+                                   uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out, uintptr_t o_part,
+                                   uintptr_t lse_part, int64_t rows, int64_t heads, int64_t kv_heads,
+                                   int64_t head_dim, int64_t num_splits, double scale, int dtype, int out_dtype,
+                                   uintptr_t stream);
+
 // ---- fused.cu: small fused ops of the decode step (each replaces a chain of
 // torch kernels and rounds where its reference does; atom/ops/cuda/fused.py).
 //

@@ -1,7 +1,7 @@
 """The engine on a GPU with the ``atom._C`` kernels gives the CPU reference path's greedy tokens.
 
 Skipped without CUDA and a built ``atom._C``. Both sides run the same small
-random Kimi-Linear checkpoint in fp32; the GPU side must actually go through
+random Kimi-Linear checkpoint (or a dense Llama / Qwen3 one) in fp32; the GPU side must actually go through
 the kernels (KDA prefill and decode groups, MLA decode) and MLA's GPU prefill form (``mla_prefill``),
 which the call counts check.
 """
@@ -110,6 +110,26 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
     assert graph_replays and max(graph_replays) == 4
     sync = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=False)
     assert graphs == sync == eager == cpu
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, graph_replays, kind):
+    """A dense model's GQA attention decodes with paged_decode_attention, eagerly and in CUDA graphs, and
+    gives the CPU reference path's greedy tokens; so do n-gram speculation's verification rows."""
+    import atom.ops.cuda as kernels
+
+    calls = []
+    inner = kernels.paged_decode_attention
+    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, **kw: (calls.append(1), inner(*a, **kw))[1])
+    path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False)
+    cpu = _generate(path)
+    eager = _generate(path, device="cuda", enforce_eager=True)
+    assert calls and not graph_replays
+    graphs = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16)
+    assert graph_replays and max(graph_replays) == 4
+    spec = _generate(path, device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_max": 3})
+    assert graphs == eager == spec == cpu
 
 
 def test_gpu_programmatic_launch_changes_no_token(tmp_path, graph_replays):

@@ -18,7 +18,7 @@ import torch
 
 from atom.ops._C_loader import get_C
 from atom.ops.cuda import (conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode,
-                           write_latent_cache)
+                           paged_decode_attention, write_kv_cache, write_latent_cache)
 from atom.ops.cuda import reference as ref
 from atom.ops.cuda.kda import token_rows
 from atom.ops.cuda.kda_prefill import FLA_HEAD_DIMS, fla_available, prefill_backend
@@ -171,6 +171,23 @@ def test_mla_reference_matches_model_attention():
     ql, qp = _rand(B, H, R), _rand(B, H, P)
     expected = mla_attention(ql, qp, cache, md, layout, 0.3)
     out = ref.mla_decode_ref(ql, qp, cache, md.block_tables, torch.tensor(lens), 0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_paged_decode_reference_matches_model_attention():
+    """The GQA decode reference equals the dense models' own reference (``paged_attention``) on decode rows."""
+    from atom.forward_context import build_attention_metadata
+    from atom.ops.paged_attention import paged_attention
+
+    torch.manual_seed(0)
+    H, Hkv, D, bs = 6, 2, 8, 4
+    lens = [5, 1, 9]
+    k_cache, v_cache = _rand(12, bs, Hkv, D), _rand(12, bs, Hkv, D)
+    tables = [[3, 7], [0], [11, 2, 5]]
+    md = build_attention_metadata([1] * len(lens), [n - 1 for n in lens], tables, [-1] * len(lens), bs)
+    q = _rand(len(lens), H, D)
+    expected = paged_attention(q, k_cache, v_cache, md, 0.3)
+    out = ref.paged_decode_attention_ref(q, k_cache, v_cache, md.block_tables, torch.tensor(lens), 0.3)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -690,3 +707,103 @@ def test_write_latent_cache(dtype, R, P):
     kv_gpu = kv.cuda()
     write_latent_cache(cache_gpu, kv_gpu[:, :R], kv_gpu[:, R : R + P], slots.cuda())
     assert torch.equal(cache_gpu.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+# ---- dense models' GQA decode attention and cache write --------------------------------------------
+
+
+def _kv_caches(lens, block_size, kv_heads, dim, dtype):
+    k_cache, tables = _paged_cache(lens, block_size, kv_heads * dim, dtype)
+    v_cache = _rand(*k_cache.shape, dtype=dtype)
+    shape = (k_cache.shape[0], block_size, kv_heads, dim)
+    return k_cache.view(shape), v_cache.view(shape), tables
+
+
+@gpu
+@pytest.mark.parametrize(
+    "dtype, H, Hkv, D, block_size, lens, splits",
+    [
+        (torch.float32, 8, 2, 64, 16, [1, 31, 32, 33, 300], None),  # group 4, auto splits
+        (torch.bfloat16, 32, 8, 128, 16, [1000, 17, 0, 5], None),  # Llama-3-8B's heads, an empty row
+        (torch.bfloat16, 16, 16, 128, 7, [333, 1, 90], 7),  # no grouping, odd block size, 7 splits
+        (torch.float32, 12, 1, 40, 5, [11, 1, 40], 2),  # one kv head for 12 (two blocks of heads), odd sizes
+        (torch.bfloat16, 64, 4, 256, 32, [2048, 65], None),  # group 16, head_dim 256
+        (torch.float16, 4, 2, 24, 16, [70, 3000], 9),  # Qwen3's test head_dim; more splits than one row's tiles
+    ],
+)
+@pytest.mark.parametrize("out_dtype", ["cache", torch.float32])
+def test_paged_decode_attention(dtype, H, Hkv, D, block_size, lens, splits, out_dtype):
+    torch.manual_seed(H + D + len(lens))
+    k_cache, v_cache, tables = _kv_caches(lens, block_size, Hkv, D, dtype)
+    q = _rand(len(lens), H, D, dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, D**-0.5)
+    out_dtype = dtype if out_dtype == "cache" else out_dtype
+    out = torch.full((len(lens), H, D), float("nan"), dtype=out_dtype, device="cuda")
+    paged_decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), tables.cuda(), seq_lens.cuda(), D**-0.5,
+                           num_splits=splits, out=out)
+    tol = TOL[torch.float32] if dtype == out_dtype == torch.float32 else TOL[torch.bfloat16]
+    assert rel_err(out, expected) < tol
+    empty = seq_lens.cuda() == 0
+    assert torch.equal(out[empty].cpu(), torch.zeros_like(out[empty].cpu()))
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_attention_ignores_nan_rows_past_the_end(splits):
+    """Positions past each row's end (in its last block, and unused blocks) hold NaN in both caches."""
+    lens, bs = [1, 70, 129, 400], 16
+    torch.manual_seed(splits)
+    k_cache, v_cache, tables = _kv_caches(lens, bs, 2, 64, torch.bfloat16)
+    for b, n in enumerate(lens):
+        for pos in range(n, -(-n // bs) * bs):
+            k_cache[tables[b, pos // bs], pos % bs] = float("nan")
+            v_cache[tables[b, pos // bs], pos % bs] = float("nan")
+    unused = ~torch.isin(torch.arange(k_cache.shape[0]), tables)
+    k_cache[unused] = float("nan")
+    v_cache[unused] = float("nan")
+    q = _rand(len(lens), 8, 64, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert not expected.isnan().any()
+    out = paged_decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), tables.cuda(), seq_lens.cuda(), 0.125,
+                                 num_splits=splits, out_dtype=torch.float32)
+    assert rel_err(out, expected) < 1e-2
+
+
+@gpu
+def test_paged_decode_attention_rows_of_one_sequence():
+    """1 + k speculative tokens: a row per token over its own prefix, the sequence's table row repeated."""
+    torch.manual_seed(3)
+    k_cache, v_cache, tables = _kv_caches([100], 16, 2, 32, torch.float32)
+    rows = tables.repeat(4, 1)
+    seq_lens = torch.tensor([97, 98, 99, 100])
+    q = _rand(4, 4, 32)
+    expected = torch.cat([ref.paged_decode_attention_ref(q[i : i + 1], k_cache, v_cache, tables, seq_lens[i : i + 1],
+                                                         0.2) for i in range(4)])  # fmt: skip
+    out = paged_decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), rows.cuda(), seq_lens.cuda(), 0.2)
+    assert rel_err(out, expected) < TOL[torch.float32]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("Hkv, D", [(8, 128), (2, 24), (3, 40)])
+def test_write_kv_cache(dtype, Hkv, D):
+    from atom.ops.paged_attention import write_kv_cache as write_kv_cache_ref
+
+    torch.manual_seed(Hkv + D)
+    num_blocks, block_size, T = 6, 16, 9
+    k_cache = torch.full((num_blocks, block_size, Hkv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    qkv = _rand(T, (4 + 2 * Hkv) * D, dtype=dtype)  # k and v as strided views of one projection
+    k, v = qkv[:, 4 * D : (4 + Hkv) * D].view(T, Hkv, D), qkv[:, (4 + Hkv) * D :].view(T, Hkv, D)
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    slots[4] = -1  # a padding row: writes nothing
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    write_kv_cache_ref(expected_k, expected_v, k[keep], v[keep], slots[keep])
+    k_gpu, v_gpu, qkv_gpu = k_cache.cuda(), v_cache.cuda(), qkv.cuda()
+    write_kv_cache(k_gpu, v_gpu, qkv_gpu[:, 4 * D : (4 + Hkv) * D].view(T, Hkv, D),
+                   qkv_gpu[:, (4 + Hkv) * D :].view(T, Hkv, D), slots.cuda())
+    assert torch.equal(k_gpu.cpu().nan_to_num(7.0), expected_k.nan_to_num(7.0))
+    assert torch.equal(v_gpu.cpu().nan_to_num(7.0), expected_v.nan_to_num(7.0))

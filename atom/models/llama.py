@@ -98,8 +98,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM; see the module docstring for the batch layout."""
 
     qk_norm = False
-    # paged_attention (torch reference) loops over the step's host seq_lens: not capturable
-    supports_cuda_graphs = False
+    # with the atom._C kernels, decode attends with paged_decode_attention (atom/layers/attention.py)
+    supports_cuda_graphs = True
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype):
         super().__init__()

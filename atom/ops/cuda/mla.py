@@ -8,12 +8,10 @@ stores this step's rows at ``slot_mapping``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from atom.forward_context import upload
-from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, stream_of
+from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, num_sms, stream_of, wave_splits
 from atom.ops.cuda.reference import mla_decode_ref, write_latent_cache_ref
 
 # The tensor-core kernels: one block of 16 warps per (sequence, 32 heads, split),
@@ -76,7 +74,7 @@ def mla_decode(
         max_seq_len = block_tables.shape[1] * block_size
     tensor_cores = kernel >= 2 or (kernel == 0 and _tensor_core_case(dtype, rank, rope))
     if num_splits is None:
-        num_splits = choose_num_splits(batch, heads, max_seq_len, _num_sms(q_latent.device), tensor_cores)
+        num_splits = choose_num_splits(batch, heads, max_seq_len, num_sms(q_latent.device), tensor_cores)
     if out is None:
         out = torch.empty(batch, heads, rank, dtype=out_dtype, device=q_latent.device)
     elif tuple(out.shape) != (batch, heads, rank) or not out.is_contiguous():
@@ -134,30 +132,14 @@ def write_latent_cache(
 
 
 def choose_num_splits(batch: int, heads: int, max_seq_len: int, num_sms: int, tensor_cores: bool) -> int:
-    """How many blocks share one sequence's positions, so that the grid fills whole waves of SMs.
-
-    The fewest splits whose wave efficiency (blocks / (waves * slots)) is
-    within 5% of the best: batch 64 x 32 heads on 132 SMs -> 2 splits (128
-    blocks, one wave), not 3 (192 blocks, 1.45 waves). More splits than
-    needed only add partial outputs to merge.
-    """
+    """How many blocks share one sequence's positions (``wave_splits``): batch 64 x 32 heads on 132 SMs
+    -> 2 splits (128 blocks, one wave), not 3 (192 blocks, 1.45 waves)."""
     if tensor_cores:
         blocks, slots, tile = batch * -(-heads // _TC_HEADS), num_sms, _TC_TILE
     else:
         blocks, slots, tile = batch * heads, num_sms * _CC_BLOCKS_PER_SM, _CC_TILE
-    max_tiles = max(1, -(-max_seq_len // tile))
-    if blocks == 0 or blocks >= 0.8 * slots or max_tiles == 1:
-        return 1
-    candidates = range(1, min(max_tiles, 256) + 1)
-    eff = {s: blocks * s / (-(-blocks * s // slots) * slots) for s in candidates}
-    best = max(eff.values())
-    return min(s for s in candidates if eff[s] >= 0.95 * best)
+    return wave_splits(blocks, slots, max(1, -(-max_seq_len // tile)))
 
 
 def _tensor_core_case(dtype: torch.dtype, rank: int, rope: int) -> bool:
     return dtype == torch.bfloat16 and rank == 512 and rope == 64 and bool(C().mla_decode_has_tensor_cores())
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -215,6 +215,33 @@ def mla_decode_ref(
     return out
 
 
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per row over its first seq_lens[t] cached positions (GQA); fp32 [T, H, D].
+
+    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [T, max_blocks];
+    query head h reads kv head h // (H // Hkv). A row of length 0 gives zeros.
+    """
+    rows, heads, _ = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for t, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
+        blocks = block_tables[t, : -(-length // block_size)].long()
+        k = k_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        v = v_cache[blocks].flatten(0, 1)[:length].float().repeat_interleave(heads // kv_heads, dim=1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[t].float(), k) * scale, dim=-1)
+        out[t] = torch.einsum("hl,lhd->hd", probs, v)
+    return out
+
+
 def write_latent_cache_ref(
     latent_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -1,0 +1,100 @@
+"""GQA decode attention of dense models (Llama, Qwen3) over paged K and V caches, and their cache write.
+
+Caches [num_blocks, block_size, kv_heads, head_dim], as ``atom.ops.paged_attention`` lays them out.
+``paged_decode_attention`` takes one query row per token over its own prefix (for 1 + k speculative
+tokens: a row per token, its own seq_len and its sequence's block-table row repeated).
+``write_kv_cache`` stores a step's keys and values at ``slot_mapping`` with ``write_latent_cache``'s
+kernel: a token's row of a K or V cache (kv_heads * head_dim values) is a latent row with no rope part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.forward_context import upload
+from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, num_sms, stream_of, wave_splits
+from atom.ops.cuda.mla import write_latent_cache
+from atom.ops.cuda.reference import paged_decode_attention_ref
+
+# csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, 32 positions a tile;
+# 128 threads and ~10 KB of shared memory, so 8 blocks fit an SM with room to spare.
+_HEADS_PER_BLOCK, _TILE, _BLOCKS_PER_SM = 8, 32, 8
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor | list[int],
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    out_dtype: torch.dtype | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q . k * scale) @ v over each row's first seq_lens[t] cached positions; [T, H, D].
+
+    q [T, H, D]; block_tables [T, max_blocks] and seq_lens [T] int32/int64 on the device (a host list
+    is uploaded here). max_seq_len (host int, an upper bound is fine) sizes the split of long rows
+    over SMs without a host sync; by default the block table's capacity. out_dtype: the cache's dtype
+    (default) or float32; or ``out`` (contiguous [T, H, D], its dtype wins) is written.
+    """
+    rows, heads, dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if not isinstance(seq_lens, torch.Tensor):  # host list: one upload
+        max_seq_len = max(seq_lens, default=0) if max_seq_len is None else max_seq_len
+        seq_lens = upload(seq_lens, torch.int32, q.device)
+    if cache_dim != dim or v_cache.shape != k_cache.shape or heads % kv_heads:
+        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    dtype = k_cache.dtype
+    out_dtype = out.dtype if out is not None else out_dtype or dtype
+    if out_dtype not in (dtype, torch.float32):
+        raise ValueError(f"paged_decode_attention: out_dtype must be float32 or the cache's {dtype}, got {out_dtype}")
+    if not kernels_apply(q, k_cache, v_cache, block_tables, seq_lens):
+        expected = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale).to(out_dtype)
+        return expected if out is None else out.copy_(expected)
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("paged_decode_attention: K and V caches need the same strides, head_dim contiguous")
+    q = q.to(dtype).contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        blocks = rows * kv_heads * -(-(heads // kv_heads) // _HEADS_PER_BLOCK)
+        num_splits = wave_splits(blocks, num_sms(q.device) * _BLOCKS_PER_SM, -(-max_seq_len // _TILE))
+    if out is None:
+        out = torch.empty(rows, heads, dim, dtype=out_dtype, device=q.device)
+    elif tuple(out.shape) != (rows, heads, dim) or not out.is_contiguous():
+        raise ValueError(f"paged_decode_attention: out must be contiguous [{rows}, {heads}, {dim}], "
+                         f"got {tuple(out.shape)}")
+    o_part = lse_part = None
+    if num_splits > 1:
+        o_part = torch.empty(rows, num_splits, heads, dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(rows, num_splits, heads, dtype=torch.float32, device=q.device)
+    with device_guard(q.device):
+        C().paged_decode_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), block_size, block_tables.data_ptr(), block_tables.stride(0),
+            dtype_code(block_tables.dtype), seq_lens.data_ptr(), dtype_code(seq_lens.dtype), out.data_ptr(),
+            o_part.data_ptr() if o_part is not None else 0, lse_part.data_ptr() if lse_part is not None else 0,
+            rows, heads, kv_heads, dim, num_splits, float(scale), dtype_code(dtype), dtype_code(out_dtype),
+            stream_of(q.device),
+        )  # fmt: skip
+    return out
+
+
+def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k, v [T, kv_heads, head_dim] into their caches at slot_mapping[t] (block * block_size + offset); a
+    negative slot (a padding row of a decode graph) writes nothing."""
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        if not cache[0, 0].is_contiguous():
+            raise ValueError("write_kv_cache: a cache's token rows must be contiguous")
+        rows = cache.flatten(2)  # [num_blocks, block_size, kv_heads * head_dim]
+        new = new.flatten(1)
+        write_latent_cache(rows, new, new[:, :0], slot_mapping)

@@ -1,0 +1,105 @@
+"""Decode throughput of a dense model (Llama) on one GPU: ATOM vs transformers' generate, same model, same run.
+
+    python bench/dense_decode_gpu.py                          # batch 1, 16, 64; 64 prompt + 64 new tokens
+    python bench/dense_decode_gpu.py --reference-too --batches 1,16 --output-len 16
+
+The model is a random Llama-3.2-1B-shaped checkpoint (hidden 2048, 16 layers, 32 query heads and 8 KV
+heads of 64, MLP 8192, vocab 32000, bf16), written once to --ckpt. Tokens/s as in bench/decode_gpu.py
+(whose helpers this uses): batch * N over the time of N more new tokens, the fastest of --repeats runs,
+ATOM with its GPU defaults (CUDA graphs, async scheduling). The roofline is the bytes one decode step
+must read and write (the weights but the embedding table, and each sequence's K and V) over the copy
+ceiling measured here.
+
+``--reference-too`` also runs ATOM the way a dense model ran before ``paged_decode_attention``
+(session 34): its attention through the torch reference (a loop over the sequences) and no CUDA
+graphs. It is slow: use few tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.decode_gpu import atom_decode_tps, copy_gbps, hf_decode_tps  # noqa: E402
+
+SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def make_model(path: str):
+    """The random checkpoint on the GPU in bf16, saved to ``path`` (reused when present)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16).eval()
+    if not os.path.exists(os.path.join(path, "config.json")):
+        model.save_pretrained(path)
+    return model
+
+
+def step_bytes(model, batch: int, context: int) -> int:
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    kv = context * SHAPE["num_hidden_layers"] * 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2  # bf16
+    return weights + batch * kv
+
+
+@contextlib.contextmanager
+def reference_attention():
+    """The dense path before paged_decode_attention: the torch reference attention, no decode graphs."""
+    import atom.layers.attention as attention
+    from atom.models.llama import LlamaForCausalLM
+
+    saved = attention.KERNEL_MAX_QUERY_LEN, LlamaForCausalLM.supports_cuda_graphs
+    attention.KERNEL_MAX_QUERY_LEN, LlamaForCausalLM.supports_cuda_graphs = 0, False
+    try:
+        yield
+    finally:
+        attention.KERNEL_MAX_QUERY_LEN, LlamaForCausalLM.supports_cuda_graphs = saved
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--ckpt", default="/tmp/atom_llama_1b")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each length, both engines; the fastest counts")
+    p.add_argument("--reference-too", action="store_true", help="also ATOM's former dense path (one run each)")
+    args = p.parse_args()
+    ceiling = copy_gbps()
+    model = make_model(args.ckpt)
+    params = sum(x.numel() for x in model.parameters())
+    print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, Llama {params / 1e9:.2f}B "
+          f"params, bf16, {args.input_len} prompt + {args.output_len} new tokens", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = torch.randint(3, SHAPE["vocab_size"], (batch, args.input_len), generator=gen).tolist()
+        atom = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=args.repeats)
+        before = None
+        if args.reference_too:
+            with reference_attention():
+                before = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=1)
+        hf = hf_decode_tps(model, prompts, args.output_len, repeats=args.repeats)
+        roof = batch / (step_bytes(model, batch, args.input_len + args.output_len // 2) / (ceiling * 1e9))
+        rows.append((batch, atom, before, hf, roof))
+        print(f"batch {batch}: atom {atom:.0f}, former path {before}, transformers {hf:.0f} tok/s", flush=True)
+    print(f"\n{'batch':>5} {'atom tok/s':>11} {'former':>9} {'hf tok/s':>9} {'atom/hf':>8} {'atom/former':>11} "
+          f"{'roofline':>9} {'atom/roof':>9}")
+    for batch, atom, before, hf, roof in rows:
+        former = f"{before:>9.0f}" if before else f"{'-':>9}"
+        gain = f"{atom / before:>10.1f}x" if before else f"{'-':>11}"
+        print(f"{batch:>5} {atom:>11.0f} {former} {hf:>9.0f} {atom / hf:>7.2f}x {gain} {roof:>9.0f} "
+              f"{atom / roof:>8.1%}")
+
+
+if __name__ == "__main__":
+    main()
