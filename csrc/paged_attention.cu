@@ -163,7 +163,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(PagedParams p) {
 }
 
 // Merges the splits of one (head, row): out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M). grid (heads,
-// rows), block 128, dynamic shared memory: a weight per split.
+// rows), block 128, dynamic shared memory: a weight per split, padded with zeros to whole float4s (the compiler
+// may read the weights several at a time, past the last split: memcheck saw 12-byte reads there).
+__host__ __device__ constexpr int padded_weights(int splits) { return (splits + 3) / 4 * 4; }
+
 template <typename OutT>
 __global__ void __launch_bounds__(128) paged_combine_kernel(PagedParams p) {
   pdl_enter();
@@ -178,7 +181,8 @@ __global__ void __launch_bounds__(128) paged_combine_kernel(PagedParams p) {
     for (int d = threadIdx.x; d < p.dim; d += blockDim.x) out[d] = from_float<OutT>(0.f);
     return;
   }
-  for (int s = threadIdx.x; s < S; s += blockDim.x) weight[s] = expf(lse[static_cast<int64_t>(s) * p.heads] - mx);
+  for (int s = threadIdx.x; s < padded_weights(S); s += blockDim.x)
+    weight[s] = s < S ? expf(lse[static_cast<int64_t>(s) * p.heads] - mx) : 0.f;
   __syncthreads();
   float total = 0.f;
   for (int s = 0; s < S; ++s) total += weight[s];
@@ -201,7 +205,7 @@ const char* launch_paged(const PagedParams& p, int64_t rows, cudaStream_t stream
   const char* err = last_launch_error();
   if (err != nullptr || p.num_splits == 1) return err;
   const dim3 merge(static_cast<unsigned>(p.heads), static_cast<unsigned>(rows));
-  launch_kernel(paged_combine_kernel<OutT>, merge, 128, p.num_splits * sizeof(float), stream, p);
+  launch_kernel(paged_combine_kernel<OutT>, merge, 128, padded_weights(p.num_splits) * sizeof(float), stream, p);
   return last_launch_error();
 }
 
