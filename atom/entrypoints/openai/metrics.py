@@ -21,6 +21,17 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 1
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class EngineTotal:
+    """A counter fed from a running total the engine keeps: each scrape adds what it gained since the last."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter, self.seen = counter, 0
+
+    def update(self, total: float) -> None:
+        self.counter.inc(total - self.seen)
+        self.seen = total
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -34,12 +45,15 @@ class ServerMetrics:
         self.slot_usage = Gauge("atom_state_slot_usage", "Fraction of recurrent state slots in use", registry=r)
         self.buffer_lent = Gauge("atom_kv_transfer_buffer_bytes_lent",
                                  "P/D: bytes of the connector's host buffer lent to transfers now", registry=r)
-        self.staged = Counter("atom_kv_transfer_staged_bytes",
-                              "P/D: bytes gathered into or scattered from the connector's host buffer", registry=r)
-        self._staged_seen = 0
-        self.deferred = Counter("atom_deferred_decode_steps", "Decode steps that returned before their tokens "
-                                "reached the host (async scheduling)", registry=r)
-        self._deferred_seen = 0
+        # totals the engine keeps, by their key in AsyncEngine.stats()
+        self.engine_totals = {
+            "kv_transfer_staged_bytes": EngineTotal(Counter(
+                "atom_kv_transfer_staged_bytes", "P/D: bytes gathered into or scattered from the connector's host "
+                "buffer", registry=r)),
+            "deferred_steps": EngineTotal(Counter(
+                "atom_deferred_decode_steps", "Decode steps that returned before their tokens reached the host "
+                "(async scheduling)", registry=r)),
+        }
         self.spec_drafted = Counter("atom_spec_decode_draft_tokens", "Draft tokens proposed and verified",
                                     registry=r)
         self.spec_accepted = Counter("atom_spec_decode_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -82,10 +96,6 @@ class ServerMetrics:
         self.kv_usage.set(engine_stats["kv_block_usage"])
         self.slot_usage.set(engine_stats["state_slot_usage"])
         self.buffer_lent.set(engine_stats.get("kv_transfer_buffer_bytes_lent", 0))
-        staged = engine_stats.get("kv_transfer_staged_bytes", 0)
-        self.staged.inc(staged - self._staged_seen)
-        self._staged_seen = staged
-        deferred = engine_stats.get("deferred_steps", 0)
-        self.deferred.inc(deferred - self._deferred_seen)
-        self._deferred_seen = deferred
+        for key, total in self.engine_totals.items():
+            total.update(engine_stats.get(key, 0))
         return generate_latest(self.registry)

@@ -131,13 +131,13 @@ def write_latent_cache(
         )  # fmt: skip
 
 
-def choose_num_splits(batch: int, heads: int, max_seq_len: int, num_sms: int, tensor_cores: bool) -> int:
+def choose_num_splits(batch: int, heads: int, max_seq_len: int, sms: int, tensor_cores: bool) -> int:
     """How many blocks share one sequence's positions (``wave_splits``): batch 64 x 32 heads on 132 SMs
     -> 2 splits (128 blocks, one wave), not 3 (192 blocks, 1.45 waves)."""
     if tensor_cores:
-        blocks, slots, tile = batch * -(-heads // _TC_HEADS), num_sms, _TC_TILE
+        blocks, slots, tile = batch * -(-heads // _TC_HEADS), sms, _TC_TILE
     else:
-        blocks, slots, tile = batch * heads, num_sms * _CC_BLOCKS_PER_SM, _CC_TILE
+        blocks, slots, tile = batch * heads, sms * _CC_BLOCKS_PER_SM, _CC_TILE
     return wave_splits(blocks, slots, max(1, -(-max_seq_len // tile)))
 
 
