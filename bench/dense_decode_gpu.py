@@ -10,6 +10,9 @@ ATOM with its GPU defaults (CUDA graphs, async scheduling). The roofline is the 
 must read and write (the weights but the embedding table, and each sequence's K and V) over the copy
 ceiling measured here.
 
+``--mixed`` also times steps that mix decode rows with prefill chunks: their decode rows through the
+kernel (as now) against every row through the torch reference (before session 35), in the same process.
+
 ``--reference-too`` also runs ATOM the way a dense model ran before ``paged_decode_attention``
 (session 34): its attention through the torch reference (a loop over the sequences) and no CUDA
 graphs. It is slow: use few tokens.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 
@@ -26,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.decode_gpu import atom_decode_tps, copy_gbps, hf_decode_tps  # noqa: E402
+from bench.decode_gpu import atom_decode_tps, copy_gbps, hf_decode_tps, timed  # noqa: E402
 
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
@@ -53,16 +57,65 @@ def step_bytes(model, batch: int, context: int) -> int:
 
 @contextlib.contextmanager
 def reference_attention():
-    """The dense path before paged_decode_attention: the torch reference attention, no decode graphs."""
+    """The dense path before paged_decode_attention: the attention layer's torch path (rotary, cache write and
+    attention), no decode graphs."""
+    import types
+
     import atom.layers.attention as attention
     from atom.models.llama import LlamaForCausalLM
 
-    saved = attention.KERNEL_MAX_QUERY_LEN, LlamaForCausalLM.supports_cuda_graphs
-    attention.KERNEL_MAX_QUERY_LEN, LlamaForCausalLM.supports_cuda_graphs = 0, False
+    saved = attention.kernels, LlamaForCausalLM.supports_cuda_graphs
+    attention.kernels = types.SimpleNamespace(kernels_apply=lambda *tensors: False)
+    LlamaForCausalLM.supports_cuda_graphs = False
     try:
         yield
     finally:
-        attention.KERNEL_MAX_QUERY_LEN, LlamaForCausalLM.supports_cuda_graphs = saved
+        attention.kernels, LlamaForCausalLM.supports_cuda_graphs = saved
+
+
+@contextlib.contextmanager
+def mixed_steps_on_reference():
+    """Steps with prefills the way they ran before session 35: every row, decode rows too, through the torch
+    reference attention (decode-only steps keep the kernel and the graphs)."""
+    from atom.layers.attention import KERNEL_MAX_QUERY_LEN, Attention
+    from atom.ops.paged_attention import paged_attention
+
+    saved = Attention._attend_kernels
+
+    def attend(self, q, k_cache, v_cache, md):
+        if md.max_query_len <= KERNEL_MAX_QUERY_LEN:
+            return saved(self, q, k_cache, v_cache, md)
+        return paged_attention(q, k_cache, v_cache, md, self.scale)
+
+    Attention._attend_kernels = attend
+    try:
+        yield
+    finally:
+        Attention._attend_kernels = saved
+
+
+def mixed_seconds(path: str, decoders: int, prefills: int, prompt_len: int, chunk: int, new_tokens: int,
+                  repeats: int) -> float:  # fmt: skip
+    """Wall time of one generate: ``decoders`` 16-token prompts decode ``new_tokens`` each while ``prefills``
+    prompts of ``prompt_len`` (one new token each) prefill in ``chunk``-token steps beside them."""
+    from atom import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    short = torch.randint(3, SHAPE["vocab_size"], (decoders, 16), generator=gen).tolist()
+    long = torch.randint(3, SHAPE["vocab_size"], (prefills, prompt_len), generator=gen).tolist()
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=decoders + prefills,
+              max_model_len=prompt_len + new_tokens + 16, max_num_batched_tokens=chunk, enable_prefix_caching=False,
+              async_scheduling=True)  # fmt: skip
+    requests = [{"prompt_token_ids": p} for p in short + long]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)] * decoders
+    params += [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)] * prefills
+    run = lambda: llm.generate(requests, params, use_tqdm=False)  # noqa: E731
+    run()
+    seconds = min(timed(run) for _ in range(repeats))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds
 
 
 def main() -> None:
@@ -73,6 +126,8 @@ def main() -> None:
     p.add_argument("--ckpt", default="/tmp/atom_llama_1b")
     p.add_argument("--repeats", type=int, default=5, help="runs of each length, both engines; the fastest counts")
     p.add_argument("--reference-too", action="store_true", help="also ATOM's former dense path (one run each)")
+    p.add_argument("--mixed", action="store_true",
+                   help="also steps mixing decode rows with prefill chunks: kernel for the decode rows vs all reference")
     args = p.parse_args()
     ceiling = copy_gbps()
     model = make_model(args.ckpt)
@@ -92,6 +147,13 @@ def main() -> None:
         roof = batch / (step_bytes(model, batch, args.input_len + args.output_len // 2) / (ceiling * 1e9))
         rows.append((batch, atom, before, hf, roof))
         print(f"batch {batch}: atom {atom:.0f}, former path {before}, transformers {hf:.0f} tok/s", flush=True)
+    if args.mixed:
+        shape = dict(decoders=16, prefills=16, prompt_len=1024, chunk=512, new_tokens=64, repeats=args.repeats)
+        now = mixed_seconds(args.ckpt, **shape)
+        with mixed_steps_on_reference():
+            before = mixed_seconds(args.ckpt, **shape)
+        print(f"mixed steps ({shape}): decode rows on the kernel {now:.3f} s, all rows on the reference "
+              f"{before:.3f} s: {before / now:.2f}x", flush=True)
     print(f"\n{'batch':>5} {'atom tok/s':>11} {'former':>9} {'hf tok/s':>9} {'atom/hf':>8} {'atom/former':>11} "
           f"{'roofline':>9} {'atom/roof':>9}")
     for batch, atom, before, hf, roof in rows:

@@ -212,6 +212,25 @@ PYBIND11_MODULE(_C, m) {
       py::arg("dtype"), py::arg("out_dtype"), py::arg("stream"));
 
   m.def(
+      "rotary_write_kv",
+      [](uintptr_t q, int64_t q_stride, uintptr_t k, int64_t k_stride, uintptr_t v, int64_t v_stride,
+         uintptr_t positions, int positions_dtype, uintptr_t inv_freq, uintptr_t q_out, uintptr_t k_cache,
+         uintptr_t v_cache, int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t block_size,
+         uintptr_t slot_mapping, int slot_dtype, int64_t num_tokens, int64_t heads, int64_t kv_heads,
+         int64_t head_dim, int dtype, uintptr_t stream) {
+        check(atom::rotary_write_kv(q, q_stride, k, k_stride, v, v_stride, positions, positions_dtype, inv_freq,
+                                    q_out, k_cache, v_cache, block_stride, token_stride, head_stride, block_size,
+                                    slot_mapping, slot_dtype, num_tokens, heads, kv_heads, head_dim, dtype,
+                                    stream));
+      },
+      "neox rotary on q and k; rotated k and v written into the paged caches", py::arg("q"), py::arg("q_stride"),
+      py::arg("k"), py::arg("k_stride"), py::arg("v"), py::arg("v_stride"), py::arg("positions"),
+      py::arg("positions_dtype"), py::arg("inv_freq"), py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"),
+      py::arg("block_stride"), py::arg("token_stride"), py::arg("head_stride"), py::arg("block_size"),
+      py::arg("slot_mapping"), py::arg("slot_dtype"), py::arg("num_tokens"), py::arg("heads"), py::arg("kv_heads"),
+      py::arg("head_dim"), py::arg("dtype"), py::arg("stream"));
+
+  m.def(
       "rms_norm",
       [](uintptr_t x, int64_t x_stride, uintptr_t residual, int64_t residual_stride, uintptr_t sum, int64_t sum_stride,
          uintptr_t weight, uintptr_t out, int64_t out_stride, int64_t rows, int64_t dim, double eps, int dtype,

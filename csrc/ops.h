@@ -199,6 +199,18 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                                    int64_t head_dim, int64_t num_splits, double scale, int dtype, int out_dtype,
                                    uintptr_t stream);
 
+// rotary_write_kv: neox rotary embedding of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows
+// at the given strides, heads contiguous within a row) by positions [tokens] (int32/int64) and inv_freq
+// [head_dim / 2] (float32); the rotated q to q_out [tokens, heads, head_dim] contiguous, the rotated k and v
+// [tokens, kv_heads, head_dim] into the caches at slot_mapping (negative: not written). Rounds as the torch
+// reference does (atom/ops/rotary.py).
+const char* rotary_write_kv(uintptr_t q, int64_t q_stride, uintptr_t k, int64_t k_stride, uintptr_t v,
+                            int64_t v_stride, uintptr_t positions, int positions_dtype, uintptr_t inv_freq,
+                            uintptr_t q_out, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
+                            int64_t token_stride, int64_t head_stride, int64_t block_size, uintptr_t slot_mapping,
+                            int slot_dtype, int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int dtype, uintptr_t stream);
+
 // ---- fused.cu: small fused ops of the decode step (each replaces a chain of
 // torch kernels and rounds where its reference does; atom/ops/cuda/fused.py).
 //

@@ -209,7 +209,114 @@ const char* launch_paged(const PagedParams& p, int64_t rows, cudaStream_t stream
   return last_launch_error();
 }
 
+// ---- rotary_write_kv: neox rotary on q and k, then k and v into the caches.
+//
+// One block per token. angle_j = position * inv_freq[j] in fp32; cos and sin rounded to T (as the layer casts
+// them); with x = x1 | x2 (halves of a head), out = x * cos + rotate_half(x) * sin, rotate_half(x) = -x2 | x1,
+// each product and the sum rounded to T as torch's separate ops round them (no fused multiply-add).
+struct RotaryParams {
+  const void *q, *k, *v;  // rows of heads * dim (q) or kv_heads * dim (k, v) at the row strides (elements)
+  int64_t q_stride, k_stride, v_stride;
+  const void* positions;
+  bool pos64;
+  const float* inv_freq;  // [dim / 2]
+  void* q_out;            // [tokens, heads, dim] contiguous
+  void *k_cache, *v_cache;
+  int64_t block_stride, token_stride, head_stride, block_size;  // elements; the same for K and V
+  const void* slot_mapping;
+  bool slots64;
+  int heads, kv_heads, dim;
+};
+
+constexpr int kRotaryThreads = 128;
+
+template <typename T>
+__device__ __forceinline__ void rotate_pair(T* out, const T* x, int half, int j, float c, float s) {
+  const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+  out[j] = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(x1, c)), -round_to<T>(__fmul_rn(x2, s))));
+  out[j + half] = from_float<T>(__fadd_rn(round_to<T>(__fmul_rn(x2, c)), round_to<T>(__fmul_rn(x1, s))));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRotaryThreads) rotary_write_kv_kernel(RotaryParams p) {
+  pdl_enter();
+  __shared__ float cos_s[kMaxDim / 2], sin_s[kMaxDim / 2];
+  const int64_t t = blockIdx.x;
+  const int half = p.dim / 2;
+  const float pos = static_cast<float>(load_index(p.positions, t, p.pos64));
+  for (int j = threadIdx.x; j < half; j += kRotaryThreads) {
+    const float angle = __fmul_rn(pos, p.inv_freq[j]);
+    cos_s[j] = round_to<T>(cosf(angle));
+    sin_s[j] = round_to<T>(sinf(angle));
+  }
+  __syncthreads();
+  const int64_t slot = load_index(p.slot_mapping, t, p.slots64);
+  const int64_t at = slot < 0 ? -1 : (slot / p.block_size) * p.block_stride + (slot % p.block_size) * p.token_stride;
+  const T* q = static_cast<const T*>(p.q) + t * p.q_stride;
+  const T* k = static_cast<const T*>(p.k) + t * p.k_stride;
+  const T* v = static_cast<const T*>(p.v) + t * p.v_stride;
+  T* q_out = static_cast<T*>(p.q_out) + t * p.heads * p.dim;
+  // Items: a rotated pair of each q head, then of each k head (written only at a slot).
+  for (int i = threadIdx.x; i < (p.heads + p.kv_heads) * half; i += kRotaryThreads) {
+    const int h = i / half, j = i - h * half;
+    if (h < p.heads) {
+      rotate_pair(q_out + h * p.dim, q + h * p.dim, half, j, cos_s[j], sin_s[j]);
+    } else if (at >= 0) {
+      const int kh = h - p.heads;
+      rotate_pair(static_cast<T*>(p.k_cache) + at + kh * p.head_stride, k + kh * p.dim, half, j, cos_s[j],
+                  sin_s[j]);
+    }
+  }
+  if (at < 0) return;
+  for (int i = threadIdx.x; i < p.kv_heads * p.dim; i += kRotaryThreads) {
+    const int h = i / p.dim, d = i - h * p.dim;
+    static_cast<T*>(p.v_cache)[at + h * p.head_stride + d] = v[h * p.dim + d];
+  }
+}
+
 }  // namespace
+
+const char* rotary_write_kv(uintptr_t q, int64_t q_stride, uintptr_t k, int64_t k_stride, uintptr_t v,
+                            int64_t v_stride, uintptr_t positions, int positions_dtype, uintptr_t inv_freq,
+                            uintptr_t q_out, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
+                            int64_t token_stride, int64_t head_stride, int64_t block_size, uintptr_t slot_mapping,
+                            int slot_dtype, int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            int dtype, uintptr_t stream) {
+  if (num_tokens < 0 || heads < 1 || kv_heads < 1 || block_size < 1 || head_dim < 2 || head_dim % 2 != 0)
+    return "rotary_write_kv: needs num_tokens >= 0, heads, kv_heads, block_size >= 1 and an even head_dim";
+  if (head_dim > kMaxDim) return "rotary_write_kv: head_dim must be <= 256";
+  if ((positions_dtype != kInt32 && positions_dtype != kInt64) || (slot_dtype != kInt32 && slot_dtype != kInt64))
+    return "rotary_write_kv: positions and slot_mapping must be int32 or int64";
+  if (num_tokens > INT32_MAX) return "rotary_write_kv: too many tokens";
+  if (num_tokens == 0) return nullptr;
+  const RotaryParams p{reinterpret_cast<const void*>(q),
+                       reinterpret_cast<const void*>(k),
+                       reinterpret_cast<const void*>(v),
+                       q_stride,
+                       k_stride,
+                       v_stride,
+                       reinterpret_cast<const void*>(positions),
+                       positions_dtype == kInt64,
+                       reinterpret_cast<const float*>(inv_freq),
+                       reinterpret_cast<void*>(q_out),
+                       reinterpret_cast<void*>(k_cache),
+                       reinterpret_cast<void*>(v_cache),
+                       block_stride,
+                       token_stride,
+                       head_stride,
+                       block_size,
+                       reinterpret_cast<const void*>(slot_mapping),
+                       slot_dtype == kInt64,
+                       static_cast<int>(heads),
+                       static_cast<int>(kv_heads),
+                       static_cast<int>(head_dim)};
+  cudaStream_t st = as_stream(stream);
+  return ATOM_DISPATCH_FLOAT_TYPES(dtype, "rotary_write_kv", [&]() -> const char* {
+    launch_kernel(rotary_write_kv_kernel<scalar_t>, dim3(static_cast<unsigned>(num_tokens)), kRotaryThreads, 0, st,
+                  p);
+    return last_launch_error();
+  });
+}
 
 const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
                                    int64_t token_stride, int64_t head_stride, int64_t block_size,

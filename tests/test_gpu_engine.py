@@ -115,18 +115,34 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, graph_replays, kind):
     """A dense model's GQA attention decodes with paged_decode_attention, eagerly and in CUDA graphs, and
-    gives the CPU reference path's greedy tokens; so do n-gram speculation's verification rows."""
+    gives the CPU reference path's greedy tokens; so do n-gram speculation's verification rows. Every step
+    rotates and writes the cache with rotary_write_kv; steps that mix prefill chunks with decode rows (the
+    16-token budget) attend the decode rows with the kernel and only the prefills with the reference."""
+    import atom.layers.attention as attention
     import atom.ops.cuda as kernels
 
-    calls = []
-    inner = kernels.paged_decode_attention
-    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, **kw: (calls.append(1), inner(*a, **kw))[1])
+    calls = {"paged_decode_attention": 0, "rotary_write_kv": 0}
+    for name in calls:
+        inner = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _inner=inner, _name=name, **kw: (
+            calls.__setitem__(_name, calls[_name] + 1), _inner(*a, **kw))[1])  # fmt: skip
+    mixed = []  # the sequences of each reference call of a GPU step that mixes decode rows and prefills
+    reference = attention.paged_attention
+
+    def counting_reference(q, k_cache, v_cache, md, scale, **kw):
+        if q.is_cuda:
+            assert kw.get("seqs") and all(md.query_lens[b] > 1 for b in kw["seqs"])
+            mixed.append(len(kw["seqs"]) < md.num_seqs)
+        return reference(q, k_cache, v_cache, md, scale, **kw)
+
+    monkeypatch.setattr(attention, "paged_attention", counting_reference)
     path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False)
     cpu = _generate(path)
     eager = _generate(path, device="cuda", enforce_eager=True)
-    assert calls and not graph_replays
+    assert calls["paged_decode_attention"] and calls["rotary_write_kv"] and not graph_replays
     graphs = _generate(path, device="cuda", max_num_seqs=4, max_num_batched_tokens=16)
     assert graph_replays and max(graph_replays) == 4
+    assert any(mixed)
     spec = _generate(path, device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                               "prompt_lookup_max": 3})
     assert graphs == eager == spec == cpu

@@ -18,7 +18,7 @@ import torch
 
 from atom.ops._C_loader import get_C
 from atom.ops.cuda import (conv1d_prefill, conv1d_update, gated_rmsnorm, kda_decode, kda_prefill, mla_decode,
-                           paged_decode_attention, write_kv_cache, write_latent_cache)
+                           paged_decode_attention, rotary_write_kv, write_kv_cache, write_latent_cache)
 from atom.ops.cuda import reference as ref
 from atom.ops.cuda.kda import token_rows
 from atom.ops.cuda.kda_prefill import FLA_HEAD_DIMS, fla_available, prefill_backend
@@ -189,6 +189,30 @@ def test_paged_decode_reference_matches_model_attention():
     expected = paged_attention(q, k_cache, v_cache, md, 0.3)
     out = ref.paged_decode_attention_ref(q, k_cache, v_cache, md.block_tables, torch.tensor(lens), 0.3)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_write_kv_reference_matches_the_layer_path():
+    """The fused rotary-and-cache-write reference equals the dense layer's CPU path: ``RotaryEmbedding`` (llama3
+    scaling), then ``write_kv_cache`` of the rotated k and v."""
+    from atom.layers.rotary import RotaryEmbedding
+    from atom.ops.paged_attention import write_kv_cache as write_kv_cache_ref
+
+    torch.manual_seed(0)
+    T, H, Hkv, D, bs = 5, 6, 2, 16, 4
+    rotary = RotaryEmbedding(D, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = _rand(T, H, D, dtype=dtype), _rand(T, Hkv, D, dtype=dtype), _rand(T, Hkv, D, dtype=dtype)
+        positions = torch.tensor([0, 3, 70, 1000, 123456])
+        slots = torch.tensor([9, -1, 0, 17, 4])
+        k_cache, v_cache = torch.zeros(6, bs, Hkv, D, dtype=dtype), torch.zeros(6, bs, Hkv, D, dtype=dtype)
+        q_rot = ref.rotary_write_kv_ref(q, k, v, positions, rotary.inv_freq, k_cache, v_cache, slots)
+        expected_q, expected_k = rotary(positions, q, k)
+        exp_k_cache, exp_v_cache = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+        keep = slots >= 0
+        write_kv_cache_ref(exp_k_cache, exp_v_cache, expected_k[keep], v[keep], slots[keep])
+        assert torch.equal(q_rot, expected_q) and not torch.equal(q_rot, q)
+        assert torch.equal(k_cache, exp_k_cache) and torch.equal(v_cache, exp_v_cache)
 
 
 def test_dispatch_uses_reference_on_cpu():
@@ -807,3 +831,43 @@ def test_write_kv_cache(dtype, Hkv, D):
                    qkv_gpu[:, (4 + Hkv) * D :].view(T, Hkv, D), slots.cuda())
     assert torch.equal(k_gpu.cpu().nan_to_num(7.0), expected_k.nan_to_num(7.0))
     assert torch.equal(v_gpu.cpu().nan_to_num(7.0), expected_v.nan_to_num(7.0))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H, Hkv, D, block_size", [(32, 8, 64, 16), (16, 16, 128, 7), (12, 1, 40, 5), (4, 2, 256, 32)])
+def test_rotary_write_kv(dtype, H, Hkv, D, block_size):
+    """q, k and v as strided views of one projection; positions up to 131071; a padding row (slot -1) writes
+    nothing. The rotated q and the caches equal the torch reference run on the GPU bit for bit (the same cosf and
+    sinf, the same roundings), and the reference on the CPU within the tolerance (the CPU's cos and sin)."""
+    from atom.layers.rotary import compute_inv_freq
+
+    torch.manual_seed(H + D + block_size)
+    T, num_blocks = 37, 9
+    inv_freq = compute_inv_freq({"rope_type": "default", "rope_theta": 1000000.0}, D)
+    qkv = _rand(T, (H + 2 * Hkv) * D + 3, dtype=dtype)
+    views = lambda x: (x[:, : H * D].view(T, H, D), x[:, H * D : (H + Hkv) * D].view(T, Hkv, D),  # noqa: E731
+                       x[:, (H + Hkv) * D : (H + 2 * Hkv) * D].view(T, Hkv, D))
+    positions = torch.randint(0, 1 << 17, (T,))
+    positions[:3] = torch.tensor([0, 1, 2])
+    slots = torch.randperm(num_blocks * block_size)[:T]
+    slots[5] = -1
+    k_cache = torch.full((num_blocks, block_size, Hkv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]  # CPU reference, GPU reference, kernel
+    q_cpu = ref.rotary_write_kv_ref(*views(qkv), positions, inv_freq, *caches[0], slots)
+    qkv_gpu, args = qkv.cuda(), (positions.cuda(), inv_freq.cuda())
+    gpu_caches = [tuple(c.cuda() for c in pair) for pair in caches[1:]]
+    q_ref = ref.rotary_write_kv_ref(*views(qkv_gpu), *args, *gpu_caches[0], slots.cuda())
+    q_out = rotary_write_kv(*views(qkv_gpu), *args, *gpu_caches[1], slots.cuda())
+    assert torch.equal(q_out.cpu(), q_ref.cpu())
+    for out, expected in zip(gpu_caches[1], gpu_caches[0]):
+        assert torch.equal(out.cpu().nan_to_num(7.0), expected.cpu().nan_to_num(7.0))
+    tol = TOL[torch.float32] if dtype == torch.float32 else TOL[torch.bfloat16]
+    assert rel_err(q_out, q_cpu) < tol
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for out, expected in zip(gpu_caches[1], caches[0]):
+        out, expected = out.cpu().flatten(0, 1), expected.flatten(0, 1)
+        assert out[~written].isnan().all()  # nothing else written
+        assert rel_err(out[written], expected[written]) < tol

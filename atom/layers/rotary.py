@@ -1,8 +1,8 @@
 """Rotary position embedding, neox style (``rotate_half``) as in HF Llama.
 
-Numerics follow transformers exactly: inverse frequencies in fp32, angles
-``position * inv_freq`` in fp32, cos/sin cast to the activation dtype before
-rotating. Supported ``rope_type`` values: default, linear, llama3.
+Numerics follow transformers exactly: inverse frequencies in fp32 (here), then
+the rotation of ``atom.ops.rotary``. Supported ``rope_type`` values: default,
+linear, llama3.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from atom.ops.rotary import apply_rotary, rotary_cos_sin
 
 _SUPPORTED = ("default", "linear", "llama3")
 
@@ -64,11 +66,6 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tenso
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates q [T, H, D] and k [T, Hkv, D] by their tokens' positions [T].
 
@@ -86,14 +83,8 @@ class RotaryEmbedding(nn.Module):
         with torch.no_grad():
             self.inv_freq.copy_(compute_inv_freq(self.params, self.head_dim, device=self.inv_freq.device))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, sin = rotary_cos_sin(positions, self.inv_freq, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -15,7 +15,7 @@ from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.cache_spec import PagedKVSpec
-from atom.layers.linear import Linear
+from atom.layers.linear import Linear, StackedLinears
 from atom.layers.moe import GatedMLP
 from atom.layers.norm import RMSNorm
 from atom.layers.rotary import RotaryEmbedding, rope_parameters
@@ -34,23 +34,20 @@ class LlamaAttention(nn.Module):
         self.q_proj = Linear(hidden, heads * head_dim, bias=bias, dtype=dtype)
         self.k_proj = Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
         self.v_proj = Linear(hidden, kv_heads * head_dim, bias=bias, dtype=dtype)
+        self.qkv = StackedLinears(self.q_proj, self.k_proj, self.v_proj)  # one matmul; stack() after loading
         self.o_proj = Linear(heads * head_dim, hidden, bias=bias, dtype=dtype)
         if qk_norm:
             self.q_norm = RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
             self.k_norm = RMSNorm(head_dim, cfg["rms_norm_eps"], dtype)
         self.qk_norm = qk_norm
-        self.rotary_emb = rotary  # shared by all layers
-        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_idx)
+        self.attn = Attention(heads, kv_heads, head_dim, head_dim**-0.5, layer_idx, rotary)  # rotary: shared
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = (hidden_states.shape[0], -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape)
-        k = self.k_proj(hidden_states).view(shape)
-        v = self.v_proj(hidden_states).view(shape)
+        q, k, v = self.qkv.split(hidden_states)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            shape = (hidden_states.shape[0], -1, self.head_dim)
+            q, k = self.q_norm(q.reshape(shape)), self.k_norm(k.reshape(shape))
+        return self.o_proj(self.attn(positions, q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -63,10 +60,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        # Same op order as HF (residual adds in the model dtype) so bf16 matches too.
-        h = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The layer on the residual stream ``hidden_states + delta`` (no delta: hidden_states), returned the
+        same way: its last add is left to the next norm (``RMSNorm.forward_add``, one kernel on a GPU). The
+        adds round as HF's do (in the model dtype), so bf16 matches too."""
+        if delta is None:
+            normed = self.input_layernorm(hidden_states)
+        else:
+            normed, hidden_states = self.input_layernorm.forward_add(hidden_states, delta)
+        attn = self.self_attn(positions, normed)
+        normed, hidden_states = self.post_attention_layernorm.forward_add(hidden_states, attn)
+        return hidden_states, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -80,10 +85,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"], dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states, delta = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+            hidden_states, delta = layer(positions, hidden_states, delta)
+        return self.norm(hidden_states) if delta is None else self.norm.forward_add(hidden_states, delta)[0]
 
 
 def _check_supported(cfg: dict[str, Any]) -> None:
@@ -132,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
     def post_load(self) -> None:
         self.model.rotary_emb.post_load()
         for layer in self.model.layers:
+            layer.self_attn.qkv.stack()
             layer.mlp.gate_up.stack()
 
 

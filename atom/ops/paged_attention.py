@@ -15,6 +15,8 @@ read back from the cache after this step's K/V were written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -51,11 +53,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    *,
+    seqs: Sequence[int] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim], one sequence at a time."""
-    out = torch.empty_like(q)
+    """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim], one sequence at a time.
+
+    ``seqs``: only these sequences' rows are computed (default: all), into ``out`` when given.
+    """
+    if out is None:
+        out = torch.empty_like(q)
     starts = metadata.query_start_loc
-    for i, (ctx_len, seq_len) in enumerate(zip(metadata.context_lens, metadata.seq_lens)):
+    for i in range(metadata.num_seqs) if seqs is None else seqs:
+        ctx_len, seq_len = metadata.context_lens[i], metadata.seq_lens[i]
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue

@@ -1,10 +1,11 @@
-"""GQA decode attention of dense models (Llama, Qwen3) over paged K and V caches, and their cache write.
+"""GQA decode attention of dense models (Llama, Qwen3) over paged K and V caches, and their cache writes.
 
 Caches [num_blocks, block_size, kv_heads, head_dim], as ``atom.ops.paged_attention`` lays them out.
 ``paged_decode_attention`` takes one query row per token over its own prefix (for 1 + k speculative
 tokens: a row per token, its own seq_len and its sequence's block-table row repeated).
 ``write_kv_cache`` stores a step's keys and values at ``slot_mapping`` with ``write_latent_cache``'s
 kernel: a token's row of a K or V cache (kv_heads * head_dim values) is a latent row with no rope part.
+``rotary_write_kv`` rotates q and k (neox rotary) and writes k and v in one kernel, for every step on a GPU.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from atom.forward_context import upload
 from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, num_sms, stream_of, wave_splits
 from atom.ops.cuda.mla import write_latent_cache
-from atom.ops.cuda.reference import paged_decode_attention_ref
+from atom.ops.cuda.reference import paged_decode_attention_ref, rotary_write_kv_ref
 
 # csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, 32 positions a tile;
 # 128 threads and ~10 KB of shared memory, so 8 blocks fit an SM with room to spare.
@@ -98,3 +99,40 @@ def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
         rows = cache.flatten(2)  # [num_blocks, block_size, kv_heads * head_dim]
         new = new.flatten(1)
         write_latent_cache(rows, new, new[:, :0], slot_mapping)
+
+
+def rotary_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The rotated q [T, H, D] (a new tensor); k rotated and v written into the caches at slot_mapping.
+
+    q [T, H, D], k and v [T, Hkv, D] in the caches' dtype, each with its head rows back to back in a token's
+    row (views into one qkv projection are fine); positions and slot_mapping [T] int32/int64 (a negative
+    slot, a graph's padding row, writes nothing); inv_freq [D / 2] float32. Rounds as
+    ``atom.layers.rotary`` does: a token's q and k equal the torch path's up to cos and sin's last bit.
+    """
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if (k.shape != v.shape or k.shape[0] != tokens or k.shape[2] != dim or k_cache.shape[2:] != (kv_heads, dim)
+            or v_cache.shape != k_cache.shape or inv_freq.shape != (dim // 2,)):  # fmt: skip
+        raise ValueError(f"rotary_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, inv_freq "
+                         f"{tuple(inv_freq.shape)} do not fit the caches {tuple(k_cache.shape)}")
+    if not kernels_apply(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping):
+        return rotary_write_kv_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
+    if not q.dtype == k.dtype == v.dtype == k_cache.dtype or inv_freq.dtype != torch.float32:
+        raise ValueError(f"rotary_write_kv: q, k, v must have the caches' dtype {k_cache.dtype} and inv_freq "
+                         f"float32; got {q.dtype}, {k.dtype}, {v.dtype}, {inv_freq.dtype}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("rotary_write_kv: K and V caches need the same strides, head_dim contiguous")
+    q, k, v = (x if x.stride(2) == 1 and x.stride(1) == dim else x.contiguous() for x in (q, k, v))
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    q_out = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    with device_guard(q.device):
+        C().rotary_write_kv(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), positions.data_ptr(),
+            dtype_code(positions.dtype), inv_freq.contiguous().data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+            slot_mapping.data_ptr(), dtype_code(slot_mapping.dtype), tokens, heads, kv_heads, dim,
+            dtype_code(q.dtype), stream_of(q.device),
+        )  # fmt: skip
+    return q_out

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from atom.ops.cuda.fused import rms_normalize
 from atom.ops.kda import kda_recurrent, kda_recurrent_states, l2norm
+from atom.ops.rotary import apply_rotary, rotary_cos_sin
 
 
 def _slot_rows(
@@ -250,3 +251,24 @@ def write_latent_cache_ref(
     keep = slot_mapping >= 0
     values = torch.cat([latent, rope], dim=-1)[keep].to(latent_cache.dtype)
     rows.index_copy_(0, slot_mapping[keep].long(), values)
+
+
+def rotary_write_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotated q [T, H, D]; the rotated k and v [T, Hkv, D] written into the caches [num_blocks, block_size, Hkv,
+    D] at slot_mapping (a negative slot: not written). Rounds as the layer's torch path."""
+    cos, sin = rotary_cos_sin(positions, inv_freq, q.dtype)
+    q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.flatten(0, 1)[slots] = k_rot[keep].to(k_cache.dtype)
+    v_cache.flatten(0, 1)[slots] = v[keep].to(v_cache.dtype)
+    return q_rot
