@@ -149,6 +149,57 @@ __device__ __forceinline__ float pack_dot(const Pack<T, n>& a, const Pack<T, n>&
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// ---- Flash-decoding's merge of one output row from its splits (mla_decode, paged_decode_attention).
+//
+// Split s left its normalised output o_s (dim floats at part + s * part_stride) and the natural-log sum of
+// exp(score) of its positions, lse_s (at lse + s * lse_stride; -inf: an empty split, whose o_s was never
+// written). out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); zeros when every split is
+// empty. Called by every thread of a block, with split_weights(splits) floats of dynamic shared memory: the
+// weights, padded with zeros to whole float4s (the unrolled loop may read a float4 of them at once, past the
+// last split: memcheck saw 12-byte reads there before the padding).
+__host__ __device__ constexpr int split_weights(int splits) { return (splits + 3) / 4 * 4; }
+
+template <typename OutT>
+__device__ void merge_splits(const float* lse, int64_t lse_stride, const float* part, int64_t part_stride,
+                             int splits, int dim, OutT* out) {
+  float* weight = dynamic_shared<float>();
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse[s * lse_stride]);
+  if (mx == -INFINITY) {  // no positions at all
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) out[d] = from_float<OutT>(0.f);
+    return;
+  }
+  for (int s = threadIdx.x; s < split_weights(splits); s += blockDim.x)
+    weight[s] = s < splits ? expf(lse[s * lse_stride] - mx) : 0.f;
+  __syncthreads();
+  float total = 0.f;
+  for (int s = 0; s < splits; ++s) total += weight[s];
+  const float inv = 1.f / total;
+  if (dim % 4 == 0) {  // four consecutive columns a thread (part is then 16-byte aligned)
+    for (int d = threadIdx.x * 4; d < dim; d += blockDim.x * 4) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+      for (int s = 0; s < splits; ++s) {
+        const float w = weight[s];
+        if (w == 0.f) continue;  // an empty split
+        const float4 v = *reinterpret_cast<const float4*>(part + s * part_stride + d);
+        acc = make_float4(fmaf(w, v.x, acc.x), fmaf(w, v.y, acc.y), fmaf(w, v.z, acc.z), fmaf(w, v.w, acc.w));
+      }
+      out[d] = from_float<OutT>(acc.x * inv);
+      out[d + 1] = from_float<OutT>(acc.y * inv);
+      out[d + 2] = from_float<OutT>(acc.z * inv);
+      out[d + 3] = from_float<OutT>(acc.w * inv);
+    }
+  } else {
+    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
+      float acc = 0.f;
+      for (int s = 0; s < splits; ++s)
+        if (weight[s] != 0.f) acc = fmaf(weight[s], part[s * part_stride + d], acc);
+      out[d] = from_float<OutT>(acc * inv);
+    }
+  }
+}
+
 }  // namespace atom
 
 // Calls F<T> with T the C++ element type of a DType code; returns an error

@@ -112,60 +112,14 @@ __global__ void __launch_bounds__(kGenericThreads) mla_decode_generic_kernel(Mla
   }
 }
 
-// ---- merge splits: out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M).
-// grid (H, B), block 128; each thread owns 4 consecutive columns (rank % 4 == 0)
-// or strided single columns, and reads the splits' partials independently.
-__host__ __device__ constexpr int combine_weights(int splits) { return (splits + 3) / 4 * 4; }
-
+// ---- merge splits (merge_splits, kernel_common.h). grid (H, B), block 128.
 template <typename OutT>
 __global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
-  float* weight = dynamic_shared<float>();  // combine_weights(num_splits)
-  const int h = blockIdx.x;
+  const int h = blockIdx.x, S = p.num_splits;
   const int64_t b = blockIdx.y;
-  const int S = p.num_splits;
-  const float* lse = p.lse_part + b * S * p.heads + h;
-  float mx = -INFINITY;
-  for (int s = 0; s < S; ++s) mx = fmaxf(mx, lse[static_cast<int64_t>(s) * p.heads]);
-  OutT* out = static_cast<OutT*>(p.out) + (b * p.heads + h) * p.rank;
-  if (mx == -INFINITY) {  // no positions at all
-    for (int d = threadIdx.x; d < p.rank; d += blockDim.x) out[d] = from_float<OutT>(0.f);
-    return;
-  }
-  // (weight is padded to whole float4s and the padding zeroed: the unrolled loop below may read a
-  // float4 of weights at once, past S)
-  for (int s = threadIdx.x; s < combine_weights(S); s += blockDim.x)
-    weight[s] = s < S ? expf(lse[static_cast<int64_t>(s) * p.heads] - mx) : 0.f;
-  __syncthreads();
-  float total = 0.f;
-  for (int s = 0; s < S; ++s) total += weight[s];
-  const float inv = 1.f / total;
-  const float* part = p.o_part + (b * S * p.heads + h) * p.rank;  // split s at + s * heads * rank
-  const int64_t split_stride = static_cast<int64_t>(p.heads) * p.rank;
-  if (p.rank % 4 == 0) {
-    for (int d = threadIdx.x * 4; d < p.rank; d += blockDim.x * 4) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int s = 0; s < S; ++s) {
-        const float w = weight[s];
-        if (w == 0.f) continue;  // empty split: its partial was never written
-        const float4 v = *reinterpret_cast<const float4*>(part + s * split_stride + d);
-        acc = make_float4(fmaf(w, v.x, acc.x), fmaf(w, v.y, acc.y), fmaf(w, v.z, acc.z), fmaf(w, v.w, acc.w));
-      }
-      out[d] = from_float<OutT>(acc.x * inv);
-      out[d + 1] = from_float<OutT>(acc.y * inv);
-      out[d + 2] = from_float<OutT>(acc.z * inv);
-      out[d + 3] = from_float<OutT>(acc.w * inv);
-    }
-  } else {
-    for (int d = threadIdx.x; d < p.rank; d += blockDim.x) {
-      float acc = 0.f;
-      for (int s = 0; s < S; ++s) {
-        if (weight[s] == 0.f) continue;
-        acc = fmaf(weight[s], part[s * split_stride + d], acc);
-      }
-      out[d] = from_float<OutT>(acc * inv);
-    }
-  }
+  merge_splits(p.lse_part + b * S * p.heads + h, p.heads, p.o_part + (b * S * p.heads + h) * p.rank,
+               static_cast<int64_t>(p.heads) * p.rank, S, p.rank,
+               static_cast<OutT*>(p.out) + (b * p.heads + h) * p.rank);
 }
 
 #ifdef ATOM_MLA_MMA
@@ -293,7 +247,7 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
   if (err != nullptr) return err;
   if (p.num_splits > 1) {
     const dim3 grid(p.heads, static_cast<unsigned>(batch));
-    mla_combine_kernel<OutT><<<grid, 128, combine_weights(p.num_splits) * sizeof(float), stream>>>(p);
+    mla_combine_kernel<OutT><<<grid, 128, split_weights(p.num_splits) * sizeof(float), stream>>>(p);
   }
   return last_launch_error();
 }

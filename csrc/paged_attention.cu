@@ -162,38 +162,15 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(PagedParams p) {
     p.lse_part[(row * S + split) * p.heads + h0 + threadIdx.x] = m_s[threadIdx.x] + logf(l_s[threadIdx.x]);
 }
 
-// Merges the splits of one (head, row): out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M). grid (heads,
-// rows), block 128, dynamic shared memory: a weight per split, padded with zeros to whole float4s (the compiler
-// may read the weights several at a time, past the last split: memcheck saw 12-byte reads there).
-__host__ __device__ constexpr int padded_weights(int splits) { return (splits + 3) / 4 * 4; }
-
+// Merges the splits of one (head, row) (merge_splits, kernel_common.h). grid (heads, rows), block 128.
 template <typename OutT>
 __global__ void __launch_bounds__(128) paged_combine_kernel(PagedParams p) {
   pdl_enter();
-  float* weight = dynamic_shared<float>();
   const int h = blockIdx.x, S = p.num_splits;
   const int64_t row = blockIdx.y;
-  const float* lse = p.lse_part + row * S * p.heads + h;  // split s at + s * heads
-  float mx = -INFINITY;
-  for (int s = 0; s < S; ++s) mx = fmaxf(mx, lse[static_cast<int64_t>(s) * p.heads]);
-  OutT* out = static_cast<OutT*>(p.out) + (row * p.heads + h) * p.dim;
-  if (mx == -INFINITY) {  // no positions at all
-    for (int d = threadIdx.x; d < p.dim; d += blockDim.x) out[d] = from_float<OutT>(0.f);
-    return;
-  }
-  for (int s = threadIdx.x; s < padded_weights(S); s += blockDim.x)
-    weight[s] = s < S ? expf(lse[static_cast<int64_t>(s) * p.heads] - mx) : 0.f;
-  __syncthreads();
-  float total = 0.f;
-  for (int s = 0; s < S; ++s) total += weight[s];
-  const float* part = p.o_part + (row * S * p.heads + h) * p.dim;
-  const int64_t split_stride = static_cast<int64_t>(p.heads) * p.dim;
-  for (int d = threadIdx.x; d < p.dim; d += blockDim.x) {
-    float a = 0.f;
-    for (int s = 0; s < S; ++s)
-      if (weight[s] != 0.f) a = fmaf(weight[s], part[s * split_stride + d], a);  // 0: an empty split, never written
-    out[d] = from_float<OutT>(a / total);
-  }
+  merge_splits(p.lse_part + row * S * p.heads + h, p.heads, p.o_part + (row * S * p.heads + h) * p.dim,
+               static_cast<int64_t>(p.heads) * p.dim, S, p.dim,
+               static_cast<OutT*>(p.out) + (row * p.heads + h) * p.dim);
 }
 
 template <typename T, typename OutT>
@@ -205,7 +182,7 @@ const char* launch_paged(const PagedParams& p, int64_t rows, cudaStream_t stream
   const char* err = last_launch_error();
   if (err != nullptr || p.num_splits == 1) return err;
   const dim3 merge(static_cast<unsigned>(p.heads), static_cast<unsigned>(rows));
-  launch_kernel(paged_combine_kernel<OutT>, merge, 128, padded_weights(p.num_splits) * sizeof(float), stream, p);
+  launch_kernel(paged_combine_kernel<OutT>, merge, 128, split_weights(p.num_splits) * sizeof(float), stream, p);
   return last_launch_error();
 }
 

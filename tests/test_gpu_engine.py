@@ -117,7 +117,7 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
     """A dense model's GQA attention decodes with paged_decode_attention, eagerly and in CUDA graphs, and
     gives the CPU reference path's greedy tokens; so do n-gram speculation's verification rows. Every step
     rotates and writes the cache with rotary_write_kv; steps that mix prefill chunks with decode rows (the
-    16-token budget) attend the decode rows with the kernel and only the prefills with the reference."""
+    16-token budget) attend the decode rows with the kernel and the prefills with SDPA's fused kernels."""
     import atom.layers.attention as attention
     import atom.ops.cuda as kernels
 
@@ -126,16 +126,15 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
         inner = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _inner=inner, _name=name, **kw: (
             calls.__setitem__(_name, calls[_name] + 1), _inner(*a, **kw))[1])  # fmt: skip
-    mixed = []  # the sequences of each reference call of a GPU step that mixes decode rows and prefills
-    reference = attention.paged_attention
+    mixed = []  # per prefill call on the GPU: whether its step also had decode rows
+    prefill = attention.paged_prefill_attention
 
-    def counting_reference(q, k_cache, v_cache, md, scale, **kw):
-        if q.is_cuda:
-            assert kw.get("seqs") and all(md.query_lens[b] > 1 for b in kw["seqs"])
-            mixed.append(len(kw["seqs"]) < md.num_seqs)
-        return reference(q, k_cache, v_cache, md, scale, **kw)
+    def counting_prefill(q, k_cache, v_cache, md, scale, seqs, out):
+        assert all(md.query_lens[b] > 1 for b in seqs)
+        mixed.append(len(seqs) < md.num_seqs)
+        return prefill(q, k_cache, v_cache, md, scale, seqs, out)
 
-    monkeypatch.setattr(attention, "paged_attention", counting_reference)
+    monkeypatch.setattr(attention, "paged_prefill_attention", counting_prefill)
     path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False)
     cpu = _generate(path)
     eager = _generate(path, device="cuda", enforce_eager=True)

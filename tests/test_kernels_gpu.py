@@ -215,6 +215,30 @@ def test_rotary_write_kv_reference_matches_the_layer_path():
         assert torch.equal(k_cache, exp_k_cache) and torch.equal(v_cache, exp_v_cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention_matches_the_reference(dtype):
+    """The prefill path of a GPU step (SDPA's fused kernels, lower-right causal) gives the reference's values for
+    chunks with and without cached context, and leaves the other sequences' rows of ``out`` alone."""
+    from atom.forward_context import build_attention_metadata
+    from atom.ops.paged_attention import paged_attention, paged_prefill_attention
+
+    torch.manual_seed(1)
+    H, Hkv, D, bs = 6, 2, 16, 4
+    query_lens, context_lens = [5, 1, 7, 3], [0, 9, 6, 2]  # a fresh prompt, a decode row, two later chunks
+    tables = [[3, 7], [0, 1, 4], [11, 2, 5, 8], [9, 6]]
+    md = build_attention_metadata(query_lens, context_lens, tables, [-1] * 4, bs)
+    k_cache, v_cache = _rand(12, bs, Hkv, D, dtype=dtype), _rand(12, bs, Hkv, D, dtype=dtype)
+    q = _rand(sum(query_lens), H, D, dtype=dtype)
+    expected = paged_attention(q, k_cache, v_cache, md, 0.3)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, md, 0.3, (0, 2, 3), out)
+    rows = torch.ones(len(q), dtype=torch.bool)
+    rows[5] = False  # the decode row's
+    assert out[~rows].isnan().all()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[rows], expected[rows], **tol)
+
+
 def test_dispatch_uses_reference_on_cpu():
     torch.manual_seed(0)
     x, gate, w = _rand(5, 8), _rand(5, 8), _rand(8)

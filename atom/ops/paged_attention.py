@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from atom.forward_context import AttentionMetadata
 
@@ -53,19 +54,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
-    *,
-    seqs: Sequence[int] | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim], one sequence at a time.
-
-    ``seqs``: only these sequences' rows are computed (default: all), into ``out`` when given.
-    """
-    if out is None:
-        out = torch.empty_like(q)
+    """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim], one sequence at a time."""
+    out = torch.empty_like(q)
     starts = metadata.query_start_loc
-    for i in range(metadata.num_seqs) if seqs is None else seqs:
-        ctx_len, seq_len = metadata.context_lens[i], metadata.seq_lens[i]
+    for i, (ctx_len, seq_len) in enumerate(zip(metadata.context_lens, metadata.seq_lens)):
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
@@ -78,3 +71,31 @@ def paged_attention(
         )
         out[start:end] = attn.transpose(0, 1)
     return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    seqs: Sequence[int],
+    out: torch.Tensor,
+) -> None:
+    """``paged_attention`` of the sequences ``seqs`` into ``out``, through SDPA's fused kernels (flash attention in
+    bf16/fp16 on a GPU): k and v expanded to the query heads, the causal mask aligned to the last position (a
+    chunk after ``context_len`` cached tokens) instead of built, so no [query_len, seq_len] mask is read."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    starts = metadata.query_start_loc
+    for i in seqs:
+        seq_len, start, end = metadata.seq_lens[i], starts[i], starts[i + 1]
+        if end == start:
+            continue
+        table = metadata.block_tables[i]
+        k, v = (gather_seq(cache, table, seq_len).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
+                for cache in (k_cache, v_cache))  # fmt: skip
+        mask = causal_lower_right(end - start, seq_len)  # query j sits at position seq_len - (end - start) + j
+        attn = F.scaled_dot_product_attention(
+            q[None, start:end].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2), attn_mask=mask,
+            scale=scale)  # fmt: skip
+        out[start:end] = attn[0].transpose(0, 1)
