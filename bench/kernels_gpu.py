@@ -10,6 +10,7 @@
     python bench/kernels_gpu.py --only linear        # dense linears at decode sizes: gemv vs cuBLAS
     python bench/kernels_gpu.py --only ksplit        # the gemv kernel with each k_split forced
     python bench/kernels_gpu.py --only kda_gate_proj # KDA's gate projections: one kernel vs three
+    python bench/kernels_gpu.py --only paged_decode  # dense models' GQA decode attention
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -55,6 +56,7 @@ from atom.ops._C_loader import get_C  # noqa: E402
 from atom.ops.cuda._launch import dtype_code  # noqa: E402
 from atom.ops.cuda._launch import num_sms as _num_sms  # noqa: E402
 from atom.ops.cuda.mla import choose_num_splits  # noqa: E402
+from atom.ops.cuda.paged_attention import choose_paged_splits  # noqa: E402
 
 _FLUSH = None
 FLUSH_MODE = "read"  # --flush
@@ -504,6 +506,39 @@ def bench_mla(
     return {"op": name, "bytes": moved, **times, "tflops": flops / times["us"] / 1e6}
 
 
+def bench_paged(C, batch: int, context: int, heads: int = 32, kv_heads: int = 8, dim: int = 128,
+                block_size: int = 16) -> dict:  # fmt: skip
+    """Dense models' GQA decode attention (Llama-3-8B's heads by default), bf16 K and V caches."""
+    bf16 = torch.bfloat16
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq
+    splits = choose_paged_splits(batch, heads, kv_heads, context, _num_sms(torch.device("cuda")))
+
+    def make():
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, dtype=bf16, device="cuda")
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(num_blocks, device="cuda").view(batch, per_seq).to(torch.int32).contiguous()
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, heads, dim, dtype=bf16, device="cuda")
+        out = torch.empty_like(q)
+        o_part = torch.empty(batch, splits, heads, dim, device="cuda")
+        lse = torch.empty(batch, splits, heads, device="cuda")
+
+        def run():
+            C.paged_decode_attention(
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                k_cache.stride(2), block_size, tables.data_ptr(), tables.stride(0), dtype_code(torch.int32),
+                seq_lens.data_ptr(), dtype_code(torch.int32), out.data_ptr(), o_part.data_ptr(), lse.data_ptr(),
+                batch, heads, kv_heads, dim, splits, dim**-0.5, dtype_code(bf16), dtype_code(bf16), stream())  # fmt: skip
+
+        return run
+
+    moved = batch * context * kv_heads * dim * 2 * 2 + 2 * batch * heads * dim * 2  # K and V, q and out
+    times = timings(make, moved)
+    name = f"paged_decode B={batch} ctx={context} H={heads}/{kv_heads} D={dim} splits={splits}"
+    return {"op": name, "bytes": moved, **times}
+
+
 if triton is not None:
 
     @triton.jit
@@ -751,6 +786,9 @@ def main() -> None:
         ("mla_decode B=64 ctx=4096 bs=16 splits=1", lambda: bench_mla(C, 64, 4096, splits=1)),
         ("mla_decode B=64 ctx=4096 bs=16 splits=4", lambda: bench_mla(C, 64, 4096, splits=4)),
     ]
+    for dim, kv_heads in ((128, 8), (64, 8)):  # Llama-3-8B's attention; Llama-3.2-1B's
+        cases += [(f"paged_decode B={b} ctx={c} D={dim}", lambda b=b, c=c, d=dim, k=kv_heads: bench_paged(
+            C, b, c, kv_heads=k, dim=d)) for c in (256, 1024, 4096) for b in batches]  # fmt: skip
     cases += [(f"mla_prefill {n}x{t} ctx={c}", lambda n=n, t=t, c=c: bench_mla_prefill(n, t, c))
               for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144))]  # fmt: skip
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]

@@ -154,10 +154,64 @@ __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a
 // Split s left its normalised output o_s (dim floats at part + s * part_stride) and the natural-log sum of
 // exp(score) of its positions, lse_s (at lse + s * lse_stride; -inf: an empty split, whose o_s was never
 // written). out = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max_s lse_s); zeros when every split is
-// empty. Called by every thread of a block, with split_weights(splits) floats of dynamic shared memory: the
-// weights, padded with zeros to whole float4s (the unrolled loop may read a float4 of them at once, past the
-// last split: memcheck saw 12-byte reads there before the padding).
+// empty. Called by every thread of a kMergeThreads block, with merge_shared_bytes(splits) of dynamic shared
+// memory: the weights, padded with zeros to whole float4s (the unrolled loop may read a float4 of them at
+// once, past the last split: memcheck saw 12-byte reads there before the padding), then room for partial sums.
+// A thread takes four consecutive columns (or one, when dim % 4 != 0); where a row has fewer such columns than
+// threads, the threads split the splits too (group g takes splits g, g + groups, ...) and sum their partials
+// after, so a row of many splits is not one thread's long chain of loads.
+constexpr int kMergeThreads = 128;
 __host__ __device__ constexpr int split_weights(int splits) { return (splits + 3) / 4 * 4; }
+__host__ __device__ constexpr int merge_shared_bytes(int splits) {
+  return (split_weights(splits) + 4 * kMergeThreads) * static_cast<int>(sizeof(float));
+}
+
+template <int W>
+__device__ __forceinline__ void add_weighted(float (&acc)[W], float w, const float* x) {
+  if constexpr (W == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(x);
+    acc[0] = fmaf(w, v.x, acc[0]);
+    acc[1] = fmaf(w, v.y, acc[1]);
+    acc[2] = fmaf(w, v.z, acc[2]);
+    acc[3] = fmaf(w, v.w, acc[3]);
+  } else {
+    acc[0] = fmaf(w, x[0], acc[0]);
+  }
+}
+
+// The merge with W columns a thread (W = 4 needs dim % 4 == 0: part is then 16-byte aligned).
+template <int W, typename OutT>
+__device__ void merge_columns(const float* weight, float* partial, const float* part, int64_t part_stride,
+                              int splits, int dim, float inv, OutT* out) {
+  const int cols = dim / W;
+  const int groups = cols >= kMergeThreads ? 1 : min(kMergeThreads / cols, splits);
+  if (groups == 1) {
+    for (int c = threadIdx.x; c < cols; c += kMergeThreads) {
+      float acc[W] = {};
+#pragma unroll 4
+      for (int s = 0; s < splits; ++s)
+        if (weight[s] != 0.f) add_weighted(acc, weight[s], part + s * part_stride + c * W);  // 0: an empty split
+#pragma unroll
+      for (int w = 0; w < W; ++w) out[c * W + w] = from_float<OutT>(acc[w] * inv);
+    }
+    return;
+  }
+  const int group = threadIdx.x / cols, c = threadIdx.x % cols;
+  if (group < groups) {
+    float acc[W] = {};
+#pragma unroll 4
+    for (int s = group; s < splits; s += groups)
+      if (weight[s] != 0.f) add_weighted(acc, weight[s], part + s * part_stride + c * W);
+#pragma unroll
+    for (int w = 0; w < W; ++w) partial[group * dim + c * W + w] = acc[w];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < dim; d += kMergeThreads) {
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += partial[g * dim + d];
+    out[d] = from_float<OutT>(total * inv);
+  }
+}
 
 template <typename OutT>
 __device__ void merge_splits(const float* lse, int64_t lse_stride, const float* part, int64_t part_stride,
@@ -174,30 +228,11 @@ __device__ void merge_splits(const float* lse, int64_t lse_stride, const float* 
   __syncthreads();
   float total = 0.f;
   for (int s = 0; s < splits; ++s) total += weight[s];
-  const float inv = 1.f / total;
-  if (dim % 4 == 0) {  // four consecutive columns a thread (part is then 16-byte aligned)
-    for (int d = threadIdx.x * 4; d < dim; d += blockDim.x * 4) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-      for (int s = 0; s < splits; ++s) {
-        const float w = weight[s];
-        if (w == 0.f) continue;  // an empty split
-        const float4 v = *reinterpret_cast<const float4*>(part + s * part_stride + d);
-        acc = make_float4(fmaf(w, v.x, acc.x), fmaf(w, v.y, acc.y), fmaf(w, v.z, acc.z), fmaf(w, v.w, acc.w));
-      }
-      out[d] = from_float<OutT>(acc.x * inv);
-      out[d + 1] = from_float<OutT>(acc.y * inv);
-      out[d + 2] = from_float<OutT>(acc.z * inv);
-      out[d + 3] = from_float<OutT>(acc.w * inv);
-    }
-  } else {
-    for (int d = threadIdx.x; d < dim; d += blockDim.x) {
-      float acc = 0.f;
-      for (int s = 0; s < splits; ++s)
-        if (weight[s] != 0.f) acc = fmaf(weight[s], part[s * part_stride + d], acc);
-      out[d] = from_float<OutT>(acc * inv);
-    }
-  }
+  float* partial = weight + split_weights(splits);
+  if (dim % 4 == 0)
+    merge_columns<4>(weight, partial, part, part_stride, splits, dim, 1.f / total, out);
+  else
+    merge_columns<1>(weight, partial, part, part_stride, splits, dim, 1.f / total, out);
 }
 
 }  // namespace atom

@@ -112,9 +112,9 @@ __global__ void __launch_bounds__(kGenericThreads) mla_decode_generic_kernel(Mla
   }
 }
 
-// ---- merge splits (merge_splits, kernel_common.h). grid (H, B), block 128.
+// ---- merge splits (merge_splits, kernel_common.h). grid (H, B), block kMergeThreads.
 template <typename OutT>
-__global__ void __launch_bounds__(128) mla_combine_kernel(MlaParams p) {
+__global__ void __launch_bounds__(kMergeThreads) mla_combine_kernel(MlaParams p) {
   const int h = blockIdx.x, S = p.num_splits;
   const int64_t b = blockIdx.y;
   merge_splits(p.lse_part + b * S * p.heads + h, p.heads, p.o_part + (b * S * p.heads + h) * p.rank,
@@ -247,7 +247,7 @@ const char* launch_decode(const MlaParams& p, int64_t batch, int kernel, cudaStr
   if (err != nullptr) return err;
   if (p.num_splits > 1) {
     const dim3 grid(p.heads, static_cast<unsigned>(batch));
-    mla_combine_kernel<OutT><<<grid, 128, split_weights(p.num_splits) * sizeof(float), stream>>>(p);
+    mla_combine_kernel<OutT><<<grid, kMergeThreads, merge_shared_bytes(p.num_splits), stream>>>(p);
   }
   return last_launch_error();
 }

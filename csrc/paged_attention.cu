@@ -7,20 +7,20 @@
 //   score_p = q . k_p * scale          out = sum_p softmax(score)_p v_p        [heads, head_dim]
 //
 // One block per (row, kv head, up to kMaxHeads of its query heads, split): a position's key and
-// value are read once for the block's heads. A tile's block-table lookups are made once, into
-// shared memory. Long sequences are split over several blocks (flash-decoding) and the splits
-// merged by their log-sum-exp (paged_combine_kernel). CUDA cores, any float dtype, head_dim <= 256.
+// value are read once for the block's heads. Each warp streams its own positions, many keys and values
+// in flight at once, with its own online softmax; the warps merge at the end. Long sequences are split
+// over several blocks (flash-decoding) and the splits merged by their log-sum-exp (paged_combine_kernel).
+// CUDA cores, any float dtype, head_dim <= 256.
 #include "kernel_common.h"
 
 namespace atom {
 namespace {
 
-constexpr int kTile = 32;  // positions a block scores at once
+constexpr int kTile = 32;  // positions of a split's unit: a split takes whole tiles
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / kGroup;
 constexpr int kMaxHeads = 8;  // query heads a block serves
 constexpr int kMaxDim = 256;
-constexpr int kCells = kMaxHeads * kMaxDim / kThreads;  // output values a thread accumulates
 
 struct PagedParams {
   const void* q;  // [rows, heads, dim] contiguous
@@ -38,133 +38,163 @@ struct PagedParams {
   float* lse_part;  // [rows, splits, heads]: natural-log sum of exp(score) of each split
   int heads, kv_heads, dim, num_splits;
   float scale;
+  bool vec;  // dim == 32 * DPL and q, K and V rows aligned for DPL-element loads
 };
 
-template <typename T, typename OutT>
+// A lane owns DPL consecutive elements of a head row (lane l: l * DPL ...), zeros past dim.
+template <typename T, int DPL>
+__device__ __forceinline__ void load_lane(float (&x)[DPL], const T* row, int lane, int dim, bool vec) {
+  if (vec) {
+    const Pack<T, DPL> pk = *reinterpret_cast<const Pack<T, DPL>*>(row + lane * DPL);
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) x[i] = to_float(pk.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) x[i] = lane * DPL + i < dim ? to_float(row[lane * DPL + i]) : 0.f;
+  }
+}
+
+// One block per (row, kv head, up to kMaxHeads of its query heads, split). Each warp streams its own
+// positions of the split (kBatch at a time, warps interleaved) with its own online softmax, no block-wide
+// barrier until the end, where the four warps' states are merged through shared memory.
+template <typename T, typename OutT, int DPL>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(PagedParams p) {
   pdl_enter();
-  __shared__ float q_s[kMaxHeads * kMaxDim];
-  __shared__ float prob[kMaxHeads][kTile];  // scores, then exp(score - running max)
-  __shared__ int64_t offset[kTile];         // a tile's positions in the cache (-1: past the end)
-  __shared__ float m_s[kMaxHeads], l_s[kMaxHeads], alpha_s[kMaxHeads];
+  constexpr int kBatch = 32 / DPL;  // positions a warp loads at once, all in flight together (64 floats a lane)
   const int group = p.heads / p.kv_heads;
   const int chunks = (group + kMaxHeads - 1) / kMaxHeads;
   const int kvh = blockIdx.x / chunks;
   const int h0 = kvh * group + (blockIdx.x % chunks) * kMaxHeads;  // the block's first query head
   const int nh = min(kMaxHeads, (kvh + 1) * group - h0);
-  const int cells = nh * p.dim;
   const int64_t row = blockIdx.y;
   const int split = blockIdx.z, S = p.num_splits;
   const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
   const int64_t seq_len = load_index(p.seq_lens, row, p.sl64);
-  const int64_t tiles = ceil_div(seq_len, kTile);
-  const int64_t per_split = ceil_div(tiles, S);
-  const int64_t tile_begin = split * per_split;
-  const int64_t tile_end = tile_begin + per_split < tiles ? tile_begin + per_split : tiles;
-  if (tile_begin >= tile_end) {  // nothing to attend to: zeros, or an empty partial
+  const int64_t per_split = ceil_div(ceil_div(seq_len, kTile), S) * kTile;
+  const int64_t begin = split * per_split;
+  const int64_t end = begin + per_split < seq_len ? begin + per_split : seq_len;
+  if (begin >= end) {  // nothing to attend to: zeros, or an empty partial
     if (S == 1) {
       OutT* out = static_cast<OutT*>(p.out) + (row * p.heads + h0) * p.dim;
-      for (int c = threadIdx.x; c < cells; c += kThreads) out[c] = from_float<OutT>(0.f);
+      for (int c = threadIdx.x; c < nh * p.dim; c += kThreads) out[c] = from_float<OutT>(0.f);
     } else if (threadIdx.x < nh) {
       p.lse_part[(row * S + split) * p.heads + h0 + threadIdx.x] = -INFINITY;
     }
     return;
   }
-  const T* q = static_cast<const T*>(p.q) + (row * p.heads + h0) * p.dim;  // the block's heads, back to back
-  for (int c = threadIdx.x; c < cells; c += kThreads) q_s[c] = to_float(q[c]);
-  if (threadIdx.x < nh) {
-    m_s[threadIdx.x] = -INFINITY;
-    l_s[threadIdx.x] = 0.f;
+  float q[kMaxHeads][DPL], acc[kMaxHeads][DPL], m[kMaxHeads], l[kMaxHeads];
+  const T* q_row = static_cast<const T*>(p.q) + (row * p.heads + h0) * p.dim;
+#pragma unroll
+  for (int g = 0; g < kMaxHeads; ++g) {
+    if (g < nh) load_lane(q[g], q_row + g * p.dim, lane, p.dim, p.vec);
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[g][i] = 0.f;
   }
   const T* k_cache = static_cast<const T*>(p.k_cache) + kvh * p.head_stride;
   const T* v_cache = static_cast<const T*>(p.v_cache) + kvh * p.head_stride;
-  float acc[kCells];
-#pragma unroll
-  for (int i = 0; i < kCells; ++i) acc[i] = 0.f;
 
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    if (threadIdx.x < kTile) {
-      const int64_t pos = tile * kTile + threadIdx.x;
-      int64_t off = -1;
-      if (pos < seq_len) {
-        const int64_t block = load_index(p.block_tables, row * p.bt_stride + pos / p.block_size, p.bt64);
-        off = block * p.block_stride + (pos % p.block_size) * p.token_stride;
-      }
-      offset[threadIdx.x] = off;
+  // Warp w takes batches of kBatch positions at w * kBatch, then every kWarps * kBatch. Lane j < kBatch looks
+  // up the cache offset of position i + j of the split; one past the end takes position i (valid) instead and
+  // scores -inf, so every load is issued unconditionally. The next batch's lookups are issued before this
+  // batch's math, so their latency hides behind it.
+  const int len = static_cast<int>(end - begin), step = kWarps * kBatch;
+  const auto lookup = [&](int i) -> int64_t {
+    if (lane >= kBatch) return 0;
+    const int pos = static_cast<int>(begin) + (i + lane < len ? i + lane : i);
+    const int64_t block = load_index(p.block_tables, row * p.bt_stride + pos / p.block_size, p.bt64);
+    return block * p.block_stride + static_cast<int64_t>(pos % p.block_size) * p.token_stride;
+  };
+  int64_t lane_off = warp * kBatch < len ? lookup(warp * kBatch) : 0;
+  for (int i = warp * kBatch; i < len; i += step) {
+    float k[kBatch][DPL], v[kBatch][DPL];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int64_t off = __shfl_sync(0xffffffffu, lane_off, j, kGroup);
+      load_lane(k[j], k_cache + off, lane, p.dim, p.vec);
+      load_lane(v[j], v_cache + off, lane, p.dim, p.vec);
     }
-    __syncthreads();  // (also: q_s, m_s and l_s are set; the last tile's probabilities are used)
-    // Scores: warp w takes the tile's positions w, w + kWarps, ...; its lanes split the head dim.
-    for (int j = warp; j < kTile; j += kWarps) {
-      const int64_t off = offset[j];
-      float dot[kMaxHeads];
+    if (i + step < len) lane_off = lookup(i + step);
 #pragma unroll
-      for (int g = 0; g < kMaxHeads; ++g) dot[g] = 0.f;
-      if (off >= 0) {
-        for (int d = lane; d < p.dim; d += kGroup) {
-          const float k = to_float(k_cache[off + d]);
+    for (int g = 0; g < kMaxHeads; ++g) {
+      if (g >= nh) continue;  // the same for the whole block
+      float score[kBatch];
 #pragma unroll
-          for (int g = 0; g < kMaxHeads; ++g)
-            if (g < nh) dot[g] = fmaf(q_s[g * p.dim + d], k, dot[g]);
-        }
+      for (int j = 0; j < kBatch; ++j) {
+        score[j] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) score[j] = fmaf(q[g][d], k[j][d], score[j]);
       }
+      // The kBatch sums over the lanes side by side: independent shuffles, no chain waits on another.
 #pragma unroll
-      for (int g = 0; g < kMaxHeads; ++g) {
-        if (g < nh) {  // the same for the whole warp
-          const float s = group_sum(dot[g]);
-          if (lane == 0) prob[g][j] = off >= 0 ? s * p.scale : -INFINITY;
-        }
+      for (int off = kGroup / 2; off > 0; off /= 2) {
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) score[j] += __shfl_xor_sync(0xffffffffu, score[j], off, kGroup);
       }
-    }
-    __syncthreads();
-    if (threadIdx.x < nh) {  // the online softmax of one head over the tile
-      const int g = threadIdx.x;
-      float mx = m_s[g];
-      for (int j = 0; j < kTile; ++j) mx = fmaxf(mx, prob[g][j]);  // finite: the tile's first position is valid
-      const float alpha = expf(m_s[g] - mx);
+      float mx = m[g];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        score[j] = i + j < len ? score[j] * p.scale : -INFINITY;
+        mx = fmaxf(mx, score[j]);  // finite: position i is valid
+      }
+      const float alpha = expf(m[g] - mx);
       float sum = 0.f;
-      for (int j = 0; j < kTile; ++j) {
-        const float e = expf(prob[g][j] - mx);
-        prob[g][j] = e;
-        sum += e;
-      }
-      l_s[g] = l_s[g] * alpha + sum;
-      m_s[g] = mx;
-      alpha_s[g] = alpha;
-    }
-    __syncthreads();
-    // Values: thread t accumulates the block's output values t, t + kThreads, ... (head c / dim, column c % dim).
-    const int valid = static_cast<int>(seq_len - tile * kTile < kTile ? seq_len - tile * kTile : kTile);
 #pragma unroll
-    for (int i = 0; i < kCells; ++i) {
-      const int c = threadIdx.x + i * kThreads;
-      if (c < cells) {
-        const int g = c / p.dim, d = c - g * p.dim;
-        float a = acc[i] * alpha_s[g];
-        for (int j = 0; j < valid; ++j) a = fmaf(prob[g][j], to_float(v_cache[offset[j] + d]), a);
-        acc[i] = a;
+      for (int d = 0; d < DPL; ++d) acc[g][d] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float e = expf(score[j] - mx);
+        sum += e;
+#pragma unroll
+        for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(e, v[j][d], acc[g][d]);
       }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
     }
-    __syncthreads();  // offset and prob are rewritten for the next tile
   }
 
+  // Merge the warps: shared [kWarps][nh][dim] accumulators, then [kWarps][nh] maxima and sums. A warp
+  // with no position of its own left m = -inf, l = 0 and zeros, which weigh nothing.
+  float* acc_s = dynamic_shared<float>();
+  float* m_s = acc_s + kWarps * nh * p.dim;
+  float* l_s = m_s + kWarps * nh;
 #pragma unroll
-  for (int i = 0; i < kCells; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    if (c < cells) {
-      const float value = acc[i] / l_s[c / p.dim];
-      if (S == 1)
-        static_cast<OutT*>(p.out)[(row * p.heads + h0) * p.dim + c] = from_float<OutT>(value);
-      else
-        p.o_part[((row * S + split) * p.heads + h0) * p.dim + c] = value;
+  for (int g = 0; g < kMaxHeads; ++g) {
+    if (g >= nh) continue;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i)
+      if (lane * DPL + i < p.dim) acc_s[(warp * nh + g) * p.dim + lane * DPL + i] = acc[g][i];
+    if (lane == 0) {
+      m_s[warp * nh + g] = m[g];
+      l_s[warp * nh + g] = l[g];
     }
   }
-  if (S > 1 && threadIdx.x < nh)
-    p.lse_part[(row * S + split) * p.heads + h0 + threadIdx.x] = m_s[threadIdx.x] + logf(l_s[threadIdx.x]);
+  __syncthreads();
+  for (int c = threadIdx.x; c < nh * p.dim; c += kThreads) {
+    const int g = c / p.dim;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_s[w * nh + g]);  // finite: warp 0 has position begin
+    float total = 0.f, value = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = expf(m_s[w * nh + g] - mx);
+      total = fmaf(l_s[w * nh + g], weight, total);
+      value = fmaf(acc_s[w * nh * p.dim + c], weight, value);
+    }
+    if (S == 1) {
+      static_cast<OutT*>(p.out)[(row * p.heads + h0) * p.dim + c] = from_float<OutT>(value / total);
+    } else {
+      p.o_part[((row * S + split) * p.heads + h0) * p.dim + c] = value / total;
+      if (c % p.dim == 0) p.lse_part[(row * S + split) * p.heads + h0 + g] = mx + logf(total);
+    }
+  }
 }
 
-// Merges the splits of one (head, row) (merge_splits, kernel_common.h). grid (heads, rows), block 128.
+// Merges the splits of one (head, row) (merge_splits, kernel_common.h). grid (heads, rows), block kMergeThreads.
 template <typename OutT>
-__global__ void __launch_bounds__(128) paged_combine_kernel(PagedParams p) {
+__global__ void __launch_bounds__(kMergeThreads) paged_combine_kernel(PagedParams p) {
   pdl_enter();
   const int h = blockIdx.x, S = p.num_splits;
   const int64_t row = blockIdx.y;
@@ -173,17 +203,29 @@ __global__ void __launch_bounds__(128) paged_combine_kernel(PagedParams p) {
                static_cast<OutT*>(p.out) + (row * p.heads + h) * p.dim);
 }
 
-template <typename T, typename OutT>
-const char* launch_paged(const PagedParams& p, int64_t rows, cudaStream_t stream) {
+template <typename T, typename OutT, int DPL>
+const char* launch_paged(PagedParams p, int64_t rows, cudaStream_t stream) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % (DPL * sizeof(T)) == 0; };
+  p.vec = p.dim == 32 * DPL && aligned(p.q) && aligned(p.k_cache) && aligned(p.v_cache) &&
+          p.block_stride % DPL == 0 && p.token_stride % DPL == 0 && p.head_stride % DPL == 0;
   const int chunks = static_cast<int>(ceil_div(p.heads / p.kv_heads, kMaxHeads));
+  const int nh_max = min(kMaxHeads, p.heads / p.kv_heads);
+  const size_t smem = static_cast<size_t>(kWarps) * nh_max * (p.dim + 2) * sizeof(float);
   const dim3 grid(static_cast<unsigned>(p.kv_heads * chunks), static_cast<unsigned>(rows),
                   static_cast<unsigned>(p.num_splits));
-  launch_kernel(paged_decode_kernel<T, OutT>, grid, kThreads, 0, stream, p);
+  launch_kernel(paged_decode_kernel<T, OutT, DPL>, grid, kThreads, smem, stream, p);
   const char* err = last_launch_error();
   if (err != nullptr || p.num_splits == 1) return err;
   const dim3 merge(static_cast<unsigned>(p.heads), static_cast<unsigned>(rows));
-  launch_kernel(paged_combine_kernel<OutT>, merge, 128, split_weights(p.num_splits) * sizeof(float), stream, p);
+  launch_kernel(paged_combine_kernel<OutT>, merge, kMergeThreads, merge_shared_bytes(p.num_splits), stream, p);
   return last_launch_error();
+}
+
+template <typename T, typename OutT>
+const char* launch_paged(const PagedParams& p, int64_t rows, cudaStream_t stream) {
+  if (p.dim <= 64) return launch_paged<T, OutT, 2>(p, rows, stream);
+  if (p.dim <= 128) return launch_paged<T, OutT, 4>(p, rows, stream);
+  return launch_paged<T, OutT, 8>(p, rows, stream);
 }
 
 // ---- rotary_write_kv: neox rotary on q and k, then k and v into the caches.
@@ -335,7 +377,8 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                       static_cast<int>(kv_heads),
                       static_cast<int>(head_dim),
                       static_cast<int>(num_splits),
-                      static_cast<float>(scale)};
+                      static_cast<float>(scale),
+                      false};
   cudaStream_t st = as_stream(stream);
   return ATOM_DISPATCH_FLOAT_TYPES(dtype, "paged_decode_attention", [&]() -> const char* {
     return out_dtype == kFloat32 ? launch_paged<scalar_t, float>(p, rows, st)

@@ -17,9 +17,15 @@ from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, nu
 from atom.ops.cuda.mla import write_latent_cache
 from atom.ops.cuda.reference import paged_decode_attention_ref, rotary_write_kv_ref
 
-# csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, 32 positions a tile;
-# 128 threads and ~10 KB of shared memory, so 8 blocks fit an SM with room to spare.
-_HEADS_PER_BLOCK, _TILE, _BLOCKS_PER_SM = 8, 32, 8
+# csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, and a split takes whole
+# tiles of 32 positions; 128 threads of 168-243 registers (head_dim 64-256), so 2-3 blocks fit an SM.
+_HEADS_PER_BLOCK, _TILE, _BLOCKS_PER_SM = 8, 32, 3
+
+
+def choose_paged_splits(rows: int, heads: int, kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """How many blocks share a row's positions (``wave_splits`` over this kernel's grid)."""
+    blocks = rows * kv_heads * -(-(heads // kv_heads) // _HEADS_PER_BLOCK)
+    return wave_splits(blocks, sms * _BLOCKS_PER_SM, -(-max_seq_len // _TILE))
 
 
 def paged_decode_attention(
@@ -66,8 +72,7 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        blocks = rows * kv_heads * -(-(heads // kv_heads) // _HEADS_PER_BLOCK)
-        num_splits = wave_splits(blocks, num_sms(q.device) * _BLOCKS_PER_SM, -(-max_seq_len // _TILE))
+        num_splits = choose_paged_splits(rows, heads, kv_heads, max_seq_len, num_sms(q.device))
     if out is None:
         out = torch.empty(rows, heads, dim, dtype=out_dtype, device=q.device)
     elif tuple(out.shape) != (rows, heads, dim) or not out.is_contiguous():
