@@ -75,8 +75,8 @@ def reference_attention():
 
 @contextlib.contextmanager
 def mixed_steps_on_reference():
-    """Steps with prefills the way they ran before session 35: every row, decode rows too, through the torch
-    reference attention (decode-only steps keep the kernel and the graphs)."""
+    """Steps with prefills as they attended before session 35: every row, decode rows too, through the torch
+    reference attention (the rotary kernel, decode-only steps' kernel and the graphs stay)."""
     from atom.layers.attention import KERNEL_MAX_QUERY_LEN, Attention
     from atom.ops.paged_attention import paged_attention
 
