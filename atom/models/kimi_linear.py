@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from atom.layers.cache_spec import CacheSpec
+from atom.layers.decoder import PreNormDecoderLayer
 from atom.layers.kda import KimiDeltaAttention
 from atom.layers.linear import Linear
 from atom.layers.mla import MultiHeadLatentAttention
@@ -142,30 +143,13 @@ def _mlp_layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     return types
 
 
-class KimiLinearDecoderLayer(nn.Module):
+class KimiLinearDecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: KimiLinearArgs, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = _attention(args, layer_idx, dtype)
         self.mlp = _feed_forward(args, layer_idx, dtype)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype=dtype)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states, delta = self.forward_residual(positions, hidden_states)
-        return hidden_states + delta
-
-    def forward_residual(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                         delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The layer on the residual stream ``hidden_states + delta`` (no delta: hidden_states), returned the
-        same way, its last add left to the next norm (``RMSNorm.forward_add``: the add and the norm in one
-        kernel). The adds round exactly as in forward."""
-        if delta is None:
-            normed = self.input_layernorm(hidden_states)
-        else:
-            normed, hidden_states = self.input_layernorm.forward_add(hidden_states, delta)
-        attn = self.self_attn(positions, normed)
-        normed, hidden_states = self.post_attention_layernorm.forward_add(hidden_states, attn)
-        return hidden_states, self.mlp(normed)
 
 
 def _attention(args: KimiLinearArgs, layer_idx: int, dtype: torch.dtype) -> nn.Module:

@@ -15,6 +15,7 @@ from torch import nn
 
 from atom.layers.attention import Attention
 from atom.layers.cache_spec import PagedKVSpec
+from atom.layers.decoder import PreNormDecoderLayer
 from atom.layers.linear import Linear, StackedLinears
 from atom.layers.moe import GatedMLP
 from atom.layers.norm import RMSNorm
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(positions, q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: dict[str, Any], layer_idx: int, rotary: RotaryEmbedding, qk_norm: bool, dtype):
         super().__init__()
         eps = cfg["rms_norm_eps"]
@@ -59,19 +60,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], dtype, bias=mlp_bias)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The layer on the residual stream ``hidden_states + delta`` (no delta: hidden_states), returned the
-        same way: its last add is left to the next norm (``RMSNorm.forward_add``, one kernel on a GPU). The
-        adds round as HF's do (in the model dtype), so bf16 matches too."""
-        if delta is None:
-            normed = self.input_layernorm(hidden_states)
-        else:
-            normed, hidden_states = self.input_layernorm.forward_add(hidden_states, delta)
-        attn = self.self_attn(positions, normed)
-        normed, hidden_states = self.post_attention_layernorm.forward_add(hidden_states, attn)
-        return hidden_states, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -87,7 +75,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, delta = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden_states, delta = layer(positions, hidden_states, delta)
+            hidden_states, delta = layer.forward_residual(positions, hidden_states, delta)
         return self.norm(hidden_states) if delta is None else self.norm.forward_add(hidden_states, delta)[0]
 
 
