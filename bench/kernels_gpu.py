@@ -512,7 +512,7 @@ def bench_paged(C, batch: int, context: int, heads: int = 32, kv_heads: int = 8,
     bf16 = torch.bfloat16
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq
-    splits = choose_paged_splits(batch, heads, kv_heads, context, _num_sms(torch.device("cuda")))
+    splits = choose_paged_splits(batch, heads, kv_heads, dim, bf16, context, _num_sms(torch.device("cuda")))
 
     def make():
         k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, dtype=bf16, device="cuda")
@@ -529,7 +529,8 @@ def bench_paged(C, batch: int, context: int, heads: int = 32, kv_heads: int = 8,
                 q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                 k_cache.stride(2), block_size, tables.data_ptr(), tables.stride(0), dtype_code(torch.int32),
                 seq_lens.data_ptr(), dtype_code(torch.int32), out.data_ptr(), o_part.data_ptr(), lse.data_ptr(),
-                batch, heads, kv_heads, dim, splits, dim**-0.5, dtype_code(bf16), dtype_code(bf16), stream())  # fmt: skip
+                batch, heads, kv_heads, dim, splits, 0, dim**-0.5, dtype_code(bf16), dtype_code(bf16),
+                stream())  # fmt: skip
 
         return run
 

@@ -24,6 +24,12 @@ using cudaError_t = hipError_t;
 #define cudaPointerAttributes hipPointerAttribute_t
 #define cudaPointerGetAttributes hipPointerGetAttributes
 #define cudaMemoryTypeHost hipMemoryTypeHost
+#define cudaFuncSetAttribute(kernel, attr, value) \
+  hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value)
+#define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define cudaOccupancyMaxActiveBlocksPerMultiprocessor hipOccupancyMaxActiveBlocksPerMultiprocessor
+// AMD has no opt-in past a block's shared-memory maximum (64 KiB on CDNA).
+#define cudaDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeMaxSharedMemoryPerBlock
 #if HIP_VERSION_MAJOR >= 6
 #define ATOM_POINTER_TYPE(attributes) (attributes).type
 #else  // ROCm 5 names the field memoryType

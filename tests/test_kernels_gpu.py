@@ -777,6 +777,7 @@ def _kv_caches(lens, block_size, kv_heads, dim, dtype):
         (torch.float32, 12, 1, 40, 5, [11, 1, 40], 2),  # one kv head for 12 (two blocks of heads), odd sizes
         (torch.bfloat16, 64, 4, 256, 32, [2048, 65], None),  # group 16, head_dim 256
         (torch.float16, 4, 2, 24, 16, [70, 3000], 9),  # Qwen3's test head_dim; more splits than one row's tiles
+        (torch.bfloat16, 6, 2, 36, 16, [5, 77, 200], 2),  # 72-byte head rows: copied element by element
     ],
 )
 @pytest.mark.parametrize("out_dtype", ["cache", torch.float32])
@@ -798,11 +799,12 @@ def test_paged_decode_attention(dtype, H, Hkv, D, block_size, lens, splits, out_
 
 @gpu
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode_attention_ignores_nan_rows_past_the_end(splits):
+@pytest.mark.parametrize("D", [64, 36])  # 16-byte copies; element copies
+def test_paged_decode_attention_ignores_nan_rows_past_the_end(splits, D):
     """Positions past each row's end (in its last block, and unused blocks) hold NaN in both caches."""
     lens, bs = [1, 70, 129, 400], 16
     torch.manual_seed(splits)
-    k_cache, v_cache, tables = _kv_caches(lens, bs, 2, 64, torch.bfloat16)
+    k_cache, v_cache, tables = _kv_caches(lens, bs, 2, D, torch.bfloat16)
     for b, n in enumerate(lens):
         for pos in range(n, -(-n // bs) * bs):
             k_cache[tables[b, pos // bs], pos % bs] = float("nan")
@@ -810,13 +812,31 @@ def test_paged_decode_attention_ignores_nan_rows_past_the_end(splits):
     unused = ~torch.isin(torch.arange(k_cache.shape[0]), tables)
     k_cache[unused] = float("nan")
     v_cache[unused] = float("nan")
-    q = _rand(len(lens), 8, 64, dtype=torch.bfloat16)
+    q = _rand(len(lens), 8, D, dtype=torch.bfloat16)
     seq_lens = torch.tensor(lens)
     expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, 0.125)
     assert not expected.isnan().any()
     out = paged_decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), tables.cuda(), seq_lens.cuda(), 0.125,
                                  num_splits=splits, out_dtype=torch.float32)
     assert rel_err(out, expected) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("D, splits", [(128, 1), (128, 3), (36, 2)])
+def test_paged_decode_attention_stages(stages, D, splits):
+    """Every depth of the kernel's shared-memory ring (the default takes the deepest that fits) gives the same
+    attention, for 16-byte and element-by-element copies, whole rows and splits."""
+    torch.manual_seed(D + stages)
+    lens = [1000, 17, 0, 5, 64]
+    k_cache, v_cache, tables = _kv_caches(lens, 16, 4, D, torch.bfloat16)
+    q = _rand(len(lens), 16, D, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, D**-0.5)
+    out = paged_decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), tables.cuda(), seq_lens.cuda(), D**-0.5,
+                                 num_splits=splits, stages=stages, out_dtype=torch.float32)
+    assert rel_err(out, expected) < TOL[torch.bfloat16]
+    assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu()))
 
 
 @gpu

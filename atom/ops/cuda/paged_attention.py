@@ -10,6 +10,8 @@ kernel: a token's row of a K or V cache (kv_heads * head_dim values) is a latent
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from atom.forward_context import upload
@@ -17,15 +19,23 @@ from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, nu
 from atom.ops.cuda.mla import write_latent_cache
 from atom.ops.cuda.reference import paged_decode_attention_ref, rotary_write_kv_ref
 
-# csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, and a split takes whole
-# tiles of 32 positions; 128 threads of 168-243 registers (head_dim 64-256), so 2-3 blocks fit an SM.
-_HEADS_PER_BLOCK, _TILE, _BLOCKS_PER_SM = 8, 32, 3
+# csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, and a split takes whole tiles of
+# 32 positions. How many blocks an SM holds (shared memory and registers) comes from the CUDA occupancy API.
+_HEADS_PER_BLOCK, _TILE = 8, 32
 
 
-def choose_paged_splits(rows: int, heads: int, kv_heads: int, max_seq_len: int, sms: int) -> int:
+@functools.lru_cache(maxsize=None)
+def _blocks_per_sm(head_dim: int, heads_per_block: int, dtype: torch.dtype) -> int:
+    return max(1, C().paged_decode_blocks_per_sm(head_dim, heads_per_block, dtype_code(dtype)))
+
+
+def choose_paged_splits(rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                        sms: int) -> int:  # fmt: skip
     """How many blocks share a row's positions (``wave_splits`` over this kernel's grid)."""
-    blocks = rows * kv_heads * -(-(heads // kv_heads) // _HEADS_PER_BLOCK)
-    return wave_splits(blocks, sms * _BLOCKS_PER_SM, -(-max_seq_len // _TILE))
+    group = heads // kv_heads
+    blocks = rows * kv_heads * -(-group // _HEADS_PER_BLOCK)
+    slots = sms * _blocks_per_sm(head_dim, min(group, _HEADS_PER_BLOCK), dtype)
+    return wave_splits(blocks, slots, -(-max_seq_len // _TILE))
 
 
 def paged_decode_attention(
@@ -39,6 +49,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
+    stages: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q . k * scale) @ v over each row's first seq_lens[t] cached positions; [T, H, D].
@@ -46,7 +57,8 @@ def paged_decode_attention(
     q [T, H, D]; block_tables [T, max_blocks] and seq_lens [T] int32/int64 on the device (a host list
     is uploaded here). max_seq_len (host int, an upper bound is fine) sizes the split of long rows
     over SMs without a host sync; by default the block table's capacity. out_dtype: the cache's dtype
-    (default) or float32; or ``out`` (contiguous [T, H, D], its dtype wins) is written.
+    (default) or float32; or ``out`` (contiguous [T, H, D], its dtype wins) is written. stages: tiles of K and V
+    in the kernel's shared-memory ring, 1-3 (0: the deepest that fits; the others are there to test and measure).
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
@@ -72,7 +84,7 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_paged_splits(rows, heads, kv_heads, max_seq_len, num_sms(q.device))
+        num_splits = choose_paged_splits(rows, heads, kv_heads, dim, dtype, max_seq_len, num_sms(q.device))
     if out is None:
         out = torch.empty(rows, heads, dim, dtype=out_dtype, device=q.device)
     elif tuple(out.shape) != (rows, heads, dim) or not out.is_contiguous():
@@ -88,7 +100,7 @@ def paged_decode_attention(
             k_cache.stride(2), block_size, block_tables.data_ptr(), block_tables.stride(0),
             dtype_code(block_tables.dtype), seq_lens.data_ptr(), dtype_code(seq_lens.dtype), out.data_ptr(),
             o_part.data_ptr() if o_part is not None else 0, lse_part.data_ptr() if lse_part is not None else 0,
-            rows, heads, kv_heads, dim, num_splits, float(scale), dtype_code(dtype), dtype_code(out_dtype),
+            rows, heads, kv_heads, dim, num_splits, stages, float(scale), dtype_code(dtype), dtype_code(out_dtype),
             stream_of(q.device),
         )  # fmt: skip
     return out
