@@ -1,6 +1,6 @@
 // Thin wrappers over the sm_80+ PTX that the tensor-core kernels use:
 // cp.async (16-byte global -> shared copies, optionally zero-filled),
-// ldmatrix, mma.sync m16n8k16 bf16 and m16n8k8 tf32 with fp32 accumulation.
+// ldmatrix, mma.sync m16n8k16 bf16 / fp16 and m16n8k8 tf32 with fp32 accumulation.
 // NVIDIA only: HIP builds never include this header (kernels that need it
 // fall back to their CUDA-core versions there).
 #pragma once
@@ -55,6 +55,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The same with fp16 inputs.
+__device__ __forceinline__ void mma_f16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -8,18 +8,29 @@
 //
 // One block per (row, kv head, up to kMaxHeads of its query heads, split): a position's key and value
 // are read once for the block's heads. Tiles of kTile positions of K and V stream through a ring of
-// shared-memory stages (cp.async on NVIDIA, so the next tiles' loads are in flight while this one is
-// scored; plain copies on HIP and for rows that are not 16-byte aligned). Per tile:
-//   scores   warp w takes head w (and w + 4), lane j position j: a dot product over head_dim, then the
-//            head's online softmax (base 2) with warp reductions; probabilities to shared memory
-//   values   thread (head, 4 columns) adds the tile's probability-weighted value rows
-// Registers stay few (the tiles live in shared memory), so many blocks share an SM. Long sequences are
-// split over several blocks (flash-decoding) and the splits merged by their log-sum-exp
-// (paged_combine_kernel). CUDA cores, any float dtype, head_dim <= 256.
+// shared-memory stages (KvRing: cp.async on NVIDIA, so the next tiles' loads are in flight while this
+// one is used; plain copies on HIP and for rows that are not 16-byte aligned). Two kernels use the ring:
+//   paged_decode_mma_kernel  bf16/fp16 rows of 64, 128 or 256 on NVIDIA: tensor cores (mma.sync), the
+//                            block's heads as the rows of a 16-row tile, in the manner of flash attention.
+//                            Warps 0/1 take positions 0-15/16-31 of each tile for the left half of the
+//                            output columns, warps 2/3 the same positions for the right half; each warp
+//                            keeps its own online softmax in registers, and the two warps of a half merge
+//                            once, at the end. One barrier a tile (the ring's).
+//   paged_decode_kernel      any other dtype or size, and HIP: CUDA cores. Warp w scores head w (and
+//                            w + 4), a position a lane; thread (head, 4 columns) then sums the values.
+// Long sequences are split over several blocks (flash-decoding) and the splits merged by their
+// log-sum-exp (paged_combine_kernel). head_dim <= 256.
+#include <mutex>
+#include <utility>
+#include <vector>
+
 #include "kernel_common.h"
 
 #if !defined(__HIPCC__) && !defined(USE_ROCM)
+#include <type_traits>
+
 #include "mma_sm80.h"
+#define ATOM_PAGED_MMA 1
 #endif
 
 namespace atom {
@@ -31,7 +42,11 @@ constexpr int kWarps = kThreads / kGroup;
 constexpr int kMaxHeads = 8;  // query heads a block serves
 constexpr int kMaxDim = 256;
 constexpr int kMaxStages = 3;
-constexpr int kScoreRounds = kMaxHeads * kTile / kThreads;   // (head, position) items a thread scores
+// Two stages unless the caller asks: on the H200 a third never helped by more than noise, and it costs blocks an SM
+// (at head_dim 128, batch 64: 50.5% of the copy ceiling in three stages, 74.3% in two; GPU_NOTES, session 36).
+constexpr int kDefaultStages = 2;
+constexpr int kMmaRows = 16;  // the tensor-core kernel's query rows: the block's heads, then zeros
+constexpr int kScoreRounds = kMaxHeads * kTile / kThreads;        // (head, position) items a thread scores
 constexpr int kValueRounds = kMaxHeads * kMaxDim / 4 / kThreads;  // (head, 4 columns) items a thread sums
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kTile == kGroup, "a warp scores one head's tile, a position a lane");
@@ -52,7 +67,7 @@ struct PagedParams {
   float* lse_part;  // [rows, splits, heads]: natural-log sum of exp(score) of each split
   int heads, kv_heads, dim, num_splits;
   float scale;
-  int stages;  // shared-memory tiles in the ring: 1..kMaxStages (0 from the caller: the deepest that fits)
+  int stages;  // shared-memory tiles in the ring: 1..kMaxStages (0 from the caller: kDefaultStages, if it fits)
   bool vec;    // head rows of K and V 16-byte aligned: cp.async in 16-byte pieces
 };
 
@@ -64,11 +79,15 @@ __host__ __device__ constexpr int row_elems(int dim) {
   return (dim + per16 - 1) / per16 * per16 + per16;
 }
 
-// The dynamic shared memory of a block: stages x {K, V} x kTile rows, q rows, then floats and offsets.
+// A block's dynamic shared memory: the ring (stages x {K, V} x kTile rows), q rows (heads, or kMmaRows for the
+// tensor-core kernel), the ring's offsets, then floats: [heads][kTile + 2] (CUDA cores: probabilities, rescales,
+// sums) or [2][kWarps][kMmaRows] (tensor cores: each warp's maxima and sums, merged at the end).
 template <typename T>
-__host__ __device__ constexpr int paged_smem_bytes(int dim, int heads, int stages) {
-  return (stages * 2 * kTile + heads) * row_elems<T>(dim) * static_cast<int>(sizeof(T)) +
-         stages * kTile * static_cast<int>(sizeof(int64_t)) + heads * (kTile + 2) * static_cast<int>(sizeof(float));
+__host__ __device__ constexpr int paged_smem_bytes(int dim, int heads, int stages, bool mma) {
+  const int q_rows = mma ? kMmaRows : heads;
+  const int floats = mma ? 2 * kWarps * kMmaRows : heads * (kTile + 2);
+  return (stages * 2 * kTile + q_rows) * row_elems<T>(dim) * static_cast<int>(sizeof(T)) +
+         stages * kTile * static_cast<int>(sizeof(int64_t)) + floats * static_cast<int>(sizeof(float));
 }
 
 // 16 bytes global -> shared (zeros when !valid), in flight until wait_copies; a plain copy where cp.async is
@@ -113,93 +132,177 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// grid (kv_heads * ceil(group / kMaxHeads), rows, splits), kThreads threads, paged_smem_bytes of shared memory.
-template <typename T, typename OutT>
-__global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p) {
-  pdl_enter();
-  constexpr int kPer16 = 16 / sizeof(T);
+// What a block computes: query heads h0 .. h0 + nh - 1 (one kv head, kvh) of one row, over its split's
+// positions [begin, end) of the row's seq_len.
+struct BlockWork {
+  int kvh, h0, nh, split;
+  int64_t row, begin, end;
+};
+
+__device__ __forceinline__ BlockWork block_work(const PagedParams& p) {
   const int group = p.heads / p.kv_heads;
   const int chunks = (group + kMaxHeads - 1) / kMaxHeads;
-  const int kvh = blockIdx.x / chunks;
-  const int h0 = kvh * group + (blockIdx.x % chunks) * kMaxHeads;  // the block's first query head
-  const int nh = min(kMaxHeads, (kvh + 1) * group - h0);
-  const int64_t row = blockIdx.y;
-  const int split = blockIdx.z, S = p.num_splits;
-  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
-  const int64_t seq_len = load_index(p.seq_lens, row, p.sl64);
-  const int64_t per_split = ceil_div(ceil_div(seq_len, kTile), S) * kTile;
-  const int64_t begin = split * per_split;
-  const int64_t end = begin + per_split < seq_len ? begin + per_split : seq_len;
-  if (begin >= end) {  // nothing to attend to: zeros, or an empty partial
-    if (S == 1) {
-      OutT* out = static_cast<OutT*>(p.out) + (row * p.heads + h0) * p.dim;
-      for (int c = threadIdx.x; c < nh * p.dim; c += kThreads) out[c] = from_float<OutT>(0.f);
-    } else if (threadIdx.x < nh) {
-      p.lse_part[(row * S + split) * p.heads + h0 + threadIdx.x] = -INFINITY;
-    }
-    return;
-  }
-  const int rs = row_elems<T>(p.dim), stages = p.stages;
-  T* tiles = dynamic_shared<T>();               // [stages][2][kTile][rs]: K then V of each stage
-  T* q_s = tiles + stages * 2 * kTile * rs;     // [nh][rs]
-  int64_t* offs = reinterpret_cast<int64_t*>(q_s + nh * rs);  // [stages][kTile]: cache offsets, -1 past the end
-  float* p_s = reinterpret_cast<float*>(offs + stages * kTile);  // [nh][kTile] probabilities
-  float* alpha_s = p_s + nh * kTile;                              // [nh] rescale of the running output
-  float* l_s = alpha_s + nh;                                      // [nh] the softmax's final sums
+  BlockWork w;
+  w.kvh = blockIdx.x / chunks;
+  w.h0 = w.kvh * group + (blockIdx.x % chunks) * kMaxHeads;
+  w.nh = min(kMaxHeads, (w.kvh + 1) * group - w.h0);
+  w.row = blockIdx.y;
+  w.split = blockIdx.z;
+  const int64_t seq_len = load_index(p.seq_lens, w.row, p.sl64);
+  const int64_t per_split = ceil_div(ceil_div(seq_len, kTile), p.num_splits) * kTile;
+  w.begin = w.split * per_split;
+  w.end = w.begin + per_split < seq_len ? w.begin + per_split : seq_len;
+  return w;
+}
 
-  const T* k_cache = static_cast<const T*>(p.k_cache) + kvh * p.head_stride;
-  const T* v_cache = static_cast<const T*>(p.v_cache) + kvh * p.head_stride;
-  const int len = static_cast<int>(end - begin), num_tiles = (len + kTile - 1) / kTile;
-  // Thread j < kTile: the cache offset of position j of tile `tile` (-1 past the end), and its store into the
-  // tile's ring slot. The loop looks a tile up at the top of an iteration and stores it at the bottom, so the
-  // block table's latency hides behind the tile's math.
-  const auto locate = [&](int tile) -> int64_t {
+// A block with nothing to attend to: zeros (one split), or an empty partial (lse -inf).
+template <typename OutT>
+__device__ void write_empty(const PagedParams& p, const BlockWork& w) {
+  if (p.num_splits == 1) {
+    OutT* out = static_cast<OutT*>(p.out) + (w.row * p.heads + w.h0) * p.dim;
+    for (int c = threadIdx.x; c < w.nh * p.dim; c += kThreads) out[c] = from_float<OutT>(0.f);
+  } else if (threadIdx.x < w.nh) {
+    p.lse_part[(w.row * p.num_splits + w.split) * p.heads + w.h0 + threadIdx.x] = -INFINITY;
+  }
+}
+
+// The ring of K and V tiles in shared memory, and how tiles get there. Tile x sits in stage x % stages; its
+// positions' cache offsets, in ring slot x % stages of `offs`. A kernel's loop over tiles t:
+//   prologue  keep(x, locate(x)) for x < stages; barrier; fetch(x) + commit for x < stages - 1
+//   tile t    (stages == 1: barrier; fetch(t) + commit) wait_copies(stages - 2); barrier;
+//             (stages > 1: fetch(t + stages - 1) + commit); ahead = locate(t + stages);
+//             ... use stage t % stages ...; keep(t + stages, ahead)
+// so a stage is refilled only after every warp has passed the barrier that follows its last use, and a tile's
+// block-table lookup (locate, a global load) is stored only at the end of the tile before, its latency hidden.
+template <typename T>
+struct KvRing {
+  static constexpr int kPer16 = 16 / sizeof(T);
+  T* tiles;       // [stages][2][kTile][rs]: K then V of each stage
+  int64_t* offs;  // [stages][kTile]: cache offsets of the tiles' positions, -1 past the end
+  int rs, stages, len, num_tiles;
+  const PagedParams* p;
+  const BlockWork* w;
+  const T* k_cache;  // the block's kv head
+  const T* v_cache;
+
+  __device__ const T* k_tile(int tile) const { return tiles + (tile % stages) * 2 * kTile * rs; }
+  __device__ const T* v_tile(int tile) const { return k_tile(tile) + kTile * rs; }
+
+  // Thread j < kTile: the cache offset of position j of `tile` (-1 past the end).
+  __device__ int64_t locate(int tile) const {
     const int pos = tile * kTile + static_cast<int>(threadIdx.x);
     if (threadIdx.x >= kTile || pos >= len) return -1;
-    const int64_t at = begin + pos;
-    return load_index(p.block_tables, row * p.bt_stride + at / p.block_size, p.bt64) * p.block_stride +
-           (at % p.block_size) * p.token_stride;
-  };
-  const auto keep = [&](int tile, int64_t off) {
+    const int64_t at = w->begin + pos;
+    return load_index(p->block_tables, w->row * p->bt_stride + at / p->block_size, p->bt64) * p->block_stride +
+           (at % p->block_size) * p->token_stride;
+  }
+
+  __device__ void keep(int tile, int64_t off) const {
     if (threadIdx.x < kTile && tile < num_tiles) offs[(tile % stages) * kTile + threadIdx.x] = off;
-  };
-  // Every thread: its share of tile `tile`'s K and V rows (four threads a row) into the tile's stage; zeros
-  // past the end, and (plain copies) past dim up to whole 16-byte pieces.
-  const int ld_row = threadIdx.x / 4, ld_part = threadIdx.x % 4;
-  const auto fetch = [&](int tile) {
+  }
+
+  // Every thread: its share of `tile`'s K and V rows (four threads a row) into the tile's stage; zeros past the
+  // end, and (plain copies) past dim up to whole 16-byte pieces.
+  __device__ void fetch(int tile) const {
     if (tile >= num_tiles) return;
-    const int st = tile % stages;
-    const int64_t off = offs[st * kTile + ld_row];
-    T* k_dst = tiles + (st * 2 * kTile + ld_row) * rs;
+    const int st = tile % stages, r = threadIdx.x / 4, part = threadIdx.x % 4;
+    const int64_t off = offs[st * kTile + r];
+    T* k_dst = tiles + (st * 2 * kTile + r) * rs;
     T* v_dst = k_dst + kTile * rs;
-    if (p.vec) {
+    if (p->vec) {
       const int64_t src = off >= 0 ? off : 0;
-      for (int c = ld_part * kPer16; c < p.dim; c += 4 * kPer16) {
+      for (int c = part * kPer16; c < p->dim; c += 4 * kPer16) {
         copy16(k_dst + c, k_cache + src + c, off >= 0);
         copy16(v_dst + c, v_cache + src + c, off >= 0);
       }
     } else {
       const int padded = rs - kPer16;
-      for (int c = ld_part; c < padded; c += 4) {
-        const bool in = off >= 0 && c < p.dim;
+      for (int c = part; c < padded; c += 4) {
+        const bool in = off >= 0 && c < p->dim;
         k_dst[c] = in ? k_cache[off + c] : from_float<T>(0.f);
         v_dst[c] = in ? v_cache[off + c] : from_float<T>(0.f);
       }
     }
-  };
+  }
 
-  // The block's query rows, zero-padded to whole 16-byte pieces; the first tiles' offsets and loads.
-  const T* q_row = static_cast<const T*>(p.q) + (row * p.heads + h0) * p.dim;
-  for (int c = threadIdx.x; c < nh * (rs - kPer16); c += kThreads) {
-    const int g = c / (rs - kPer16), d = c % (rs - kPer16);
-    q_s[g * rs + d] = d < p.dim ? q_row[g * p.dim + d] : from_float<T>(0.f);
+  // The prologue, and the top of tile t up to its use (see above); returns locate(t + stages).
+  __device__ void start() const {
+    for (int t = 0; t < stages; ++t) keep(t, locate(t));
+    __syncthreads();
+    for (int t = 0; t + 1 < stages; ++t) {
+      fetch(t);
+      commit_copies();
+    }
   }
-  for (int t = 0; t < stages; ++t) keep(t, locate(t));
-  __syncthreads();
-  for (int t = 0; t + 1 < stages; ++t) {
-    fetch(t);
-    commit_copies();
+
+  __device__ int64_t arrive(int t) const {
+    if (stages == 1) {
+      __syncthreads();  // every warp is done with the previous tile
+      fetch(t);
+      commit_copies();
+    }
+    wait_copies(stages - 2);  // tile t's group; with 3 stages tile t + 1's may stay in flight
+    __syncthreads();
+    if (stages > 1) {
+      fetch(t + stages - 1);
+      commit_copies();
+    }
+    return locate(t + stages);
   }
+};
+
+// The ring of a block whose shared memory starts at smem, with q_rows rows of q after the ring's tiles; the
+// offsets follow the q rows. The caller's floats follow offs + stages * kTile.
+template <typename T>
+__device__ __forceinline__ KvRing<T> make_ring(const PagedParams& p, const BlockWork& w, int q_rows) {
+  KvRing<T> ring;
+  ring.rs = row_elems<T>(p.dim);
+  ring.stages = p.stages;
+  ring.tiles = dynamic_shared<T>();
+  ring.offs = reinterpret_cast<int64_t*>(ring.tiles + (ring.stages * 2 * kTile + q_rows) * ring.rs);
+  ring.len = static_cast<int>(w.end - w.begin);
+  ring.num_tiles = (ring.len + kTile - 1) / kTile;
+  ring.p = &p;
+  ring.w = &w;
+  ring.k_cache = static_cast<const T*>(p.k_cache) + w.kvh * p.head_stride;
+  ring.v_cache = static_cast<const T*>(p.v_cache) + w.kvh * p.head_stride;
+  return ring;
+}
+
+// The q rows of the block (after the ring's tiles), zero past dim up to whole 16-byte pieces and in rows
+// nh .. q_rows - 1.
+template <typename T>
+__device__ T* load_q(const PagedParams& p, const BlockWork& w, const KvRing<T>& ring, int q_rows) {
+  T* q_s = ring.tiles + ring.stages * 2 * kTile * ring.rs;
+  const int width = ring.rs - KvRing<T>::kPer16;
+  const T* q_row = static_cast<const T*>(p.q) + (w.row * p.heads + w.h0) * p.dim;
+  for (int c = threadIdx.x; c < q_rows * width; c += kThreads) {
+    const int g = c / width, d = c % width;
+    q_s[g * ring.rs + d] = g < w.nh && d < p.dim ? q_row[g * p.dim + d] : from_float<T>(0.f);
+  }
+  return q_s;
+}
+
+// CUDA cores. grid (kv_heads * ceil(group / kMaxHeads), rows, splits), kThreads threads,
+// paged_smem_bytes(..., mma = false) of shared memory.
+template <typename T, typename OutT>
+__global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p) {
+  pdl_enter();
+  constexpr int kPer16 = KvRing<T>::kPer16;
+  const BlockWork w = block_work(p);
+  if (w.begin >= w.end) {
+    write_empty<OutT>(p, w);
+    return;
+  }
+  const int nh = w.nh, S = p.num_splits;
+  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+  const KvRing<T> ring = make_ring<T>(p, w, nh);
+  const int len = ring.len, rs = ring.rs;
+  const T* q_s = load_q(p, w, ring, nh);                                // [nh][rs]
+  float* p_s = reinterpret_cast<float*>(ring.offs + ring.stages * kTile);  // [nh][kTile] probabilities
+  float* alpha_s = p_s + nh * kTile;                                       // [nh] rescale of the running output
+  float* l_s = alpha_s + nh;                                               // [nh] the softmax's final sums
+  ring.start();
 
   const float scale = p.scale * kLog2e;
   float m[kScoreRounds], l[kScoreRounds], acc[kValueRounds][4];
@@ -215,22 +318,10 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
   }
   const int pieces = (p.dim + kPer16 - 1) / kPer16, quads = (p.dim + 3) / 4;
 
-  for (int t = 0; t < num_tiles; ++t) {
-    // Tile t in its stage; the next tiles' loads go out as soon as their stage is free.
-    if (stages == 1) {
-      __syncthreads();  // the previous tile's values are summed
-      fetch(t);
-      commit_copies();
-    }
-    wait_copies(stages - 2);  // tile t's group; with 3 stages tile t + 1's may stay in flight
-    __syncthreads();
-    if (stages > 1) {
-      fetch(t + stages - 1);
-      commit_copies();
-    }
-    const int64_t ahead = locate(t + stages);
-    const T* k_s = tiles + (t % stages) * 2 * kTile * rs;
-    const T* v_s = k_s + kTile * rs;
+  for (int t = 0; t < ring.num_tiles; ++t) {
+    const int64_t ahead = ring.arrive(t);
+    const T* k_s = ring.k_tile(t);
+    const T* v_s = ring.v_tile(t);
 
     // Scores and the online softmax: warp w, head w + kWarps r; lane = position.
 #pragma unroll
@@ -279,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
         }
       }
     }
-    keep(t + stages, ahead);
+    ring.keep(t + ring.stages, ahead);
   }
 
   // The softmax's sums to shared memory (and each split's log-sum-exp out), then each thread's columns out.
@@ -290,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
     l[r] = warp_sum(l[r]);
     if (lane == 0) {
       l_s[g] = l[r];
-      if (S > 1) p.lse_part[(row * S + split) * p.heads + h0 + g] = (m[r] + log2f(l[r])) / kLog2e;
+      if (S > 1) p.lse_part[(w.row * S + w.split) * p.heads + w.h0 + g] = (m[r] + log2f(l[r])) / kLog2e;
     }
   }
   __syncthreads();
@@ -301,15 +392,175 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
     if (g >= nh) continue;
     const float inv = 1.f / l_s[g];
     for (int i = 0; i < 4 && c + i < p.dim; ++i) {
-      const int64_t at = (row * p.heads + h0 + g) * p.dim + c + i;
       if (S == 1) {
-        static_cast<OutT*>(p.out)[at] = from_float<OutT>(acc[r][i] * inv);
+        static_cast<OutT*>(p.out)[(w.row * p.heads + w.h0 + g) * p.dim + c + i] = from_float<OutT>(acc[r][i] * inv);
       } else {
-        p.o_part[((row * S + split) * p.heads + h0 + g) * p.dim + c + i] = acc[r][i] * inv;
+        p.o_part[((w.row * S + w.split) * p.heads + w.h0 + g) * p.dim + c + i] = acc[r][i] * inv;
       }
     }
   }
 }
+
+#ifdef ATOM_PAGED_MMA
+// Two floats as the packed pair of 16-bit values an mma operand register holds (lo in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(lo))) |
+           (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16(hi))) << 16);
+  } else {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half(lo))) |
+           (static_cast<uint32_t>(__half_as_ushort(__float2half(hi))) << 16);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    ptx::mma_bf16_16816(c, a, b0, b1);
+  } else {
+    ptx::mma_f16_16816(c, a, b0, b1);
+  }
+}
+
+// Tensor cores, bf16 or fp16, head_dim kDim (64, 128 or 256), 16-byte aligned rows. Grid as paged_decode_kernel,
+// paged_smem_bytes(..., mma = true) of shared memory. mma.sync m16n8k16 fragments (g = lane / 4, t4 = lane % 4):
+// A rows g, g + 8 and columns 2 t4 (+1), 2 t4 + 8 (+9); B column g, rows 2 t4 (+1), 2 t4 + 8 (+9); C rows g, g + 8,
+// columns 2 t4 (+1). Query rows are the block's heads (nh <= 8), so rows g + 8 are zeros and never computed on.
+template <typename T, typename OutT, int kDim>
+__global__ void __launch_bounds__(kThreads, kDim > 128 ? 4 : 5) paged_decode_mma_kernel(PagedParams p) {
+  static_assert(kDim % 64 == 0 && kDim <= kMaxDim, "a multiple of 64 up to kMaxDim");
+  constexpr int kKSteps = kDim / 16;   // of the scores' product
+  constexpr int kCols = kDim / 2;      // output columns of a warp
+  constexpr int kNTiles = kCols / 8;   // their n-tiles in the values' product
+  pdl_enter();
+  const BlockWork w = block_work(p);
+  if (w.begin >= w.end) {
+    write_empty<OutT>(p, w);
+    return;
+  }
+  const int nh = w.nh, S = p.num_splits;
+  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup, g = lane >> 2, t4 = lane & 3;
+  const KvRing<T> ring = make_ring<T>(p, w, kMmaRows);
+  const int len = ring.len, rs = ring.rs;
+  const T* q_s = load_q(p, w, ring, kMmaRows);                                // [kMmaRows][rs]
+  float* m_s = reinterpret_cast<float*>(ring.offs + ring.stages * kTile);  // [kWarps][kMmaRows] maxima
+  float* l_s = m_s + kWarps * kMmaRows;                                    // [kWarps][kMmaRows] sums
+  ring.start();
+
+  const int n0 = (warp & 1) * 16;      // the warp's positions in a tile
+  const int c0 = (warp >> 1) * kCols;  // and its output columns
+  const float scale = p.scale * kLog2e;
+  float o[kNTiles][4];  // rows g (0, 1) and g + 8 (2, 3: stay zero) of O, n-tile columns c0 + 8 nt + 2 t4 (+1)
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[nt][i] = 0.f;
+  float m = -INFINITY, l = 0.f;  // row g's running maximum (base 2) and this lane's share of its sum
+
+  for (int t = 0; t < ring.num_tiles; ++t) {
+    const int64_t ahead = ring.arrive(t);
+    const T* k_s = ring.k_tile(t);
+    const T* v_s = ring.v_tile(t);
+
+    // S[16 x 16] = Q K^T over the warp's 16 positions (two n-tiles), k-step by k-step.
+    float s[2][4] = {};
+    const T* b_ptr = k_s + (n0 + (lane & 7) + ((lane >> 4) << 3)) * rs + ((lane >> 3) & 1) * 8;
+    const T* a_ptr = q_s + (lane & 15) * rs + (lane >> 4) * 8;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[4], b[4];
+      ptx::ldmatrix_x4(a, a_ptr + ks * 16);
+      ptx::ldmatrix_x4(b, b_ptr + ks * 16);
+      mma16816<T>(s[0], a, b[0], b[1]);
+      mma16816<T>(s[1], a, b[2], b[3]);
+    }
+
+    // Online softmax of row g over the warp's positions of this tile; the row's four lanes (t4) agree on max.
+    float x[2][2], mx = m;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const bool in = t * kTile + n0 + nt * 8 + 2 * t4 + i < len;
+        x[nt][i] = in ? s[nt][i] * scale : -INFINITY;
+        mx = fmaxf(mx, x[nt][i]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1, kGroup));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2, kGroup));
+    const float base = mx == -INFINITY ? 0.f : mx;  // no position of this warp's yet: every weight 0
+    const float alpha = exp2f(m - base);
+    m = mx;
+    float e[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) e[nt][i] = exp2f(x[nt][i] - base);
+    l = l * alpha + (e[0][0] + e[0][1]) + (e[1][0] + e[1][1]);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      o[nt][0] *= alpha;
+      o[nt][1] *= alpha;
+    }
+
+    // O += P V: P (rows g; rows g + 8 zero) straight from the scores' registers, V's rows by ldmatrix.trans.
+    const uint32_t pa[4] = {pack2<T>(e[0][0], e[0][1]), 0u, pack2<T>(e[1][0], e[1][1]), 0u};
+    const T* v_ptr = v_s + (n0 + (lane & 15)) * rs + c0 + (lane >> 4) * 8;
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, v_ptr + np * 16);
+      mma16816<T>(o[2 * np], pa, b[0], b[1]);
+      mma16816<T>(o[2 * np + 1], pa, b[2], b[3]);
+    }
+    ring.keep(t + ring.stages, ahead);
+  }
+
+  // Merge warp pairs (w, w ^ 1): the same columns over different positions. Row g's sum over its four lanes,
+  // then each warp's maximum and sum to shared memory; the odd warp's rescaled rows of O go through the ring's
+  // memory (every copy into it has landed and been used) to the even warp, which writes the output.
+  l += __shfl_xor_sync(0xffffffffu, l, 1, kGroup);
+  l += __shfl_xor_sync(0xffffffffu, l, 2, kGroup);
+  if (t4 == 0) {
+    m_s[warp * kMmaRows + g] = m;
+    l_s[warp * kMmaRows + g] = l;
+  }
+  __syncthreads();  // also: every warp is done with the ring
+  const int other = warp ^ 1;
+  const float mo = m_s[other * kMmaRows + g], lo = l_s[other * kMmaRows + g];
+  const float top = fmaxf(m, mo);  // finite: warps 0 and 2 see position 0 of the split
+  const float f = exp2f(m - top), total = l * f + lo * exp2f(mo - top);
+  float* shared_o = reinterpret_cast<float*>(ring.tiles);  // [2 column halves][kMaxHeads][kCols]
+  float* mine = shared_o + ((warp >> 1) * kMaxHeads + g) * kCols;
+  if (warp & 1) {
+    if (g < nh) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+        *reinterpret_cast<float2*>(mine + nt * 8 + 2 * t4) = make_float2(o[nt][0] * f, o[nt][1] * f);
+    }
+  }
+  __syncthreads();
+  if (warp & 1 || g >= nh) return;
+  const float inv = 1.f / total;
+  const int64_t head = w.h0 + g;
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt) {
+    const int col = nt * 8 + 2 * t4;
+    const float2 add = *reinterpret_cast<const float2*>(mine + col);
+    const float v0 = (o[nt][0] * f + add.x) * inv, v1 = (o[nt][1] * f + add.y) * inv;
+    if (S == 1) {
+      OutT* out = static_cast<OutT*>(p.out) + (w.row * p.heads + head) * p.dim + c0 + col;
+      out[0] = from_float<OutT>(v0);
+      out[1] = from_float<OutT>(v1);
+    } else {
+      *reinterpret_cast<float2*>(p.o_part + ((w.row * S + w.split) * p.heads + head) * p.dim + c0 + col) =
+          make_float2(v0, v1);
+    }
+  }
+  if (S > 1 && warp == 0 && t4 == 0)
+    p.lse_part[(w.row * S + w.split) * p.heads + head] = (top + log2f(total)) / kLog2e;
+}
+#endif  // ATOM_PAGED_MMA
 
 // Merges the splits of one (head, row) (merge_splits, kernel_common.h). grid (heads, rows), block kMergeThreads.
 template <typename OutT>
@@ -331,46 +582,69 @@ int max_block_smem() {
   return bytes;
 }
 
-// Lets `kernel` take `bytes` of dynamic shared memory (past the default 48 KiB). Each kernel (a template
-// argument, so each has its own counter) remembers the most it was allowed, so launches after the first make no
-// runtime call (one GPU per process).
-template <auto kernel>
-cudaError_t allow_smem(int bytes) {
-  static std::atomic<int> allowed{48 * 1024};
-  if (bytes <= allowed.load(std::memory_order_relaxed)) return cudaSuccess;
+using PagedKernelFn = void (*)(PagedParams);
+
+// Lets `kernel` take `bytes` of dynamic shared memory (past the default 48 KiB). Remembers the most each kernel
+// was allowed, so launches after the first make no runtime call (one GPU per process).
+cudaError_t allow_smem(PagedKernelFn kernel, int bytes) {
+  static std::mutex mutex;
+  static std::vector<std::pair<PagedKernelFn, int>> allowed;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [fn, most] : allowed)
+    if (fn == kernel && bytes <= most) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) allowed.store(bytes);
+  if (err == cudaSuccess) allowed.emplace_back(kernel, bytes);
   return err;
 }
 
-// The deepest ring (kMaxStages down to 1) whose shared memory fits a block on this device; 0 if none does.
-template <typename T>
-int paged_stages(int dim, int heads) {
-  const int limit = max_block_smem();
-  for (int s = kMaxStages; s >= 1; --s)
-    if (paged_smem_bytes<T>(dim, heads, s) <= limit) return s;
-  return 0;
+// The kernel for p: tensor cores for bf16/fp16 rows of 64, 128 or 256 elements, 16-byte aligned, on NVIDIA;
+// CUDA cores otherwise.
+struct PagedKernel {
+  PagedKernelFn fn;
+  bool mma;
+};
+
+template <typename T, typename OutT>
+PagedKernel paged_kernel(const PagedParams& p) {
+#ifdef ATOM_PAGED_MMA
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.vec && p.dim == 64) return {paged_decode_mma_kernel<T, OutT, 64>, true};
+    if (p.vec && p.dim == 128) return {paged_decode_mma_kernel<T, OutT, 128>, true};
+    if (p.vec && p.dim == 256) return {paged_decode_mma_kernel<T, OutT, 256>, true};
+  }
+#endif
+  return {paged_decode_kernel<T, OutT>, false};
+}
+
+// p.vec, p.stages (the deepest ring that fits, unless the caller chose) and the kernel with its shared memory;
+// an error message when nothing fits.
+template <typename T, typename OutT>
+const char* prepare_paged(PagedParams& p, PagedKernel& kernel, int& smem) {
+  constexpr int kPer16 = 16 / sizeof(T);
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  p.vec = p.dim % kPer16 == 0 && aligned(p.k_cache) && aligned(p.v_cache) && p.block_stride % kPer16 == 0 &&
+          p.token_stride % kPer16 == 0 && p.head_stride % kPer16 == 0;
+  kernel = paged_kernel<T, OutT>(p);
+  const int heads = min(kMaxHeads, p.heads / p.kv_heads), limit = max_block_smem();
+  int deepest = kMaxStages;
+  while (deepest > 0 && paged_smem_bytes<T>(p.dim, heads, deepest, kernel.mma) > limit) --deepest;
+  if (deepest == 0) return "paged_decode_attention: head_dim too large for this GPU's shared memory";
+  if (p.stages > deepest) return "paged_decode_attention: that many stages do not fit this GPU's shared memory";
+  if (p.stages == 0) p.stages = min(kDefaultStages, deepest);
+  smem = paged_smem_bytes<T>(p.dim, heads, p.stages, kernel.mma);
+  const cudaError_t err = allow_smem(kernel.fn, smem);
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
 template <typename T, typename OutT>
 const char* launch_paged(PagedParams p, int64_t rows, cudaStream_t stream) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  constexpr int kPer16 = 16 / sizeof(T);
-  p.vec = p.dim % kPer16 == 0 && aligned(p.k_cache) && aligned(p.v_cache) && p.block_stride % kPer16 == 0 &&
-          p.token_stride % kPer16 == 0 && p.head_stride % kPer16 == 0;
-  const int nh_max = min(kMaxHeads, p.heads / p.kv_heads);
-  const int deepest = paged_stages<T>(p.dim, nh_max);
-  if (deepest == 0) return "paged_decode_attention: head_dim too large for this GPU's shared memory";
-  if (p.stages > deepest) return "paged_decode_attention: that many stages do not fit this GPU's shared memory";
-  if (p.stages == 0) p.stages = deepest;
-  const int smem = paged_smem_bytes<T>(p.dim, nh_max, p.stages);
-  constexpr auto kernel = paged_decode_kernel<T, OutT>;
-  const cudaError_t allowed = allow_smem<kernel>(smem);
-  if (allowed != cudaSuccess) return cudaGetErrorString(allowed);
+  PagedKernel kernel{};
+  int smem = 0;
+  if (const char* err = prepare_paged<T, OutT>(p, kernel, smem)) return err;
   const int chunks = static_cast<int>(ceil_div(p.heads / p.kv_heads, kMaxHeads));
   const dim3 grid(static_cast<unsigned>(p.kv_heads * chunks), static_cast<unsigned>(rows),
                   static_cast<unsigned>(p.num_splits));
-  launch_kernel(kernel, grid, kThreads, static_cast<size_t>(smem), stream, p);
+  launch_kernel(kernel.fn, grid, kThreads, static_cast<size_t>(smem), stream, p);
   const char* err = last_launch_error();
   if (err != nullptr || p.num_splits == 1) return err;
   const dim3 merge(static_cast<unsigned>(p.heads), static_cast<unsigned>(rows));
@@ -378,16 +652,19 @@ const char* launch_paged(PagedParams p, int64_t rows, cudaStream_t stream) {
   return last_launch_error();
 }
 
-// Blocks of paged_decode_kernel<T, T> that one SM runs at once, for heads_per_block query heads of head_dim.
+// Blocks of the kernel for aligned caches of T (output T) that one SM runs at once, for `heads` query heads
+// of head_dim; 0 if none fits.
 template <typename T>
 int paged_blocks_per_sm(int dim, int heads) {
-  const int stages = paged_stages<T>(dim, heads);
-  if (stages == 0) return 0;
-  const int smem = paged_smem_bytes<T>(dim, heads, stages);
-  constexpr auto kernel = paged_decode_kernel<T, T>;
-  if (allow_smem<kernel>(smem) != cudaSuccess) return 0;
-  int blocks = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, static_cast<size_t>(smem)) !=
+  PagedParams p{};
+  p.dim = dim;
+  p.heads = heads;
+  p.kv_heads = 1;
+  p.k_cache = p.v_cache = nullptr;  // aligned
+  PagedKernel kernel{};
+  int smem = 0, blocks = 0;
+  if (prepare_paged<T, T>(p, kernel, smem) != nullptr) return 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel.fn, kThreads, static_cast<size_t>(smem)) !=
       cudaSuccess)
     return 0;
   return blocks;

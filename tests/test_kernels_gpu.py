@@ -767,6 +767,20 @@ def _kv_caches(lens, block_size, kv_heads, dim, dtype):
     return k_cache.view(shape), v_cache.view(shape), tables
 
 
+def test_wave_splits_fills_waves_or_keeps_rows_whole():
+    """Flash-decoding's split count: none for a grid that fills enough of the GPU, else the fewest splits whose
+    waves are within 5% of the fullest."""
+    from atom.ops.cuda._launch import wave_splits
+
+    assert wave_splits(512, 528, 128) == 1  # 0.97 of a wave
+    assert wave_splits(512, 660, 32) == 5  # 0.78 of a wave: five splits fill 0.97
+    assert wave_splits(512, 660, 32, min_fill=0.5) == 1
+    assert wave_splits(8, 528, 128) == 63  # 8 x 66 fills one wave exactly; 63 is within 5%
+    assert wave_splits(8, 528, 4) == 4  # no more splits than a row has tiles
+    assert wave_splits(8, 528, 1) == 1
+    assert wave_splits(0, 528, 128) == 1
+
+
 @gpu
 @pytest.mark.parametrize(
     "dtype, H, Hkv, D, block_size, lens, splits",
@@ -778,6 +792,8 @@ def _kv_caches(lens, block_size, kv_heads, dim, dtype):
         (torch.bfloat16, 64, 4, 256, 32, [2048, 65], None),  # group 16, head_dim 256
         (torch.float16, 4, 2, 24, 16, [70, 3000], 9),  # Qwen3's test head_dim; more splits than one row's tiles
         (torch.bfloat16, 6, 2, 36, 16, [5, 77, 200], 2),  # 72-byte head rows: copied element by element
+        (torch.float16, 16, 2, 64, 16, [300, 1, 33, 17], None),  # tensor cores in fp16, eight heads a block
+        (torch.bfloat16, 4, 2, 128, 16, [17, 2000, 31], 3),  # two heads a block; a split of one partial tile
     ],
 )
 @pytest.mark.parametrize("out_dtype", ["cache", torch.float32])

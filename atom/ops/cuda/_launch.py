@@ -69,15 +69,15 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def wave_splits(blocks: int, slots: int, max_tiles: int) -> int:
+def wave_splits(blocks: int, slots: int, max_tiles: int, min_fill: float = 0.8) -> int:
     """How many blocks share one row's positions (flash-decoding), so that the grid fills whole waves.
 
     ``blocks``: the grid without splits; ``slots``: how many blocks the GPU runs at once; ``max_tiles``:
-    the longest row's tiles (a split takes whole tiles). The fewest splits whose wave efficiency
-    (blocks / (waves * slots)) is within 5% of the best. More splits than needed only add partial
-    outputs to merge.
+    the longest row's tiles (a split takes whole tiles). One split when the grid fills at least ``min_fill``
+    of the slots; else the fewest splits whose wave efficiency (blocks / (waves * slots)) is within 5% of
+    the best. More splits than needed only add partial outputs to merge.
     """
-    if blocks == 0 or blocks >= 0.8 * slots or max_tiles <= 1:
+    if blocks == 0 or blocks >= min_fill * slots or max_tiles <= 1:
         return 1
     candidates = range(1, min(max_tiles, 256) + 1)
     eff = {s: blocks * s / (-(-blocks * s // slots) * slots) for s in candidates}

@@ -21,7 +21,10 @@ from atom.ops.cuda.reference import paged_decode_attention_ref, rotary_write_kv_
 
 # csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, and a split takes whole tiles of
 # 32 positions. How many blocks an SM holds (shared memory and registers) comes from the CUDA occupancy API.
-_HEADS_PER_BLOCK, _TILE = 8, 32
+# Grids that fill half the slots take one split: with fewer blocks an SM each runs faster, and splits add a merge.
+# On the H200 (GPU_NOTES, session 36) batch 64 at head_dim 64 and 1024 positions ran at 58.4% of the copy ceiling
+# whole, 49.2% in two splits and 44.3% in four; at 0.8 (MLA's rule) its grid (512 blocks, 660 slots) would split.
+_HEADS_PER_BLOCK, _TILE, _MIN_FILL = 8, 32, 0.5
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,7 +38,7 @@ def choose_paged_splits(rows: int, heads: int, kv_heads: int, head_dim: int, dty
     group = heads // kv_heads
     blocks = rows * kv_heads * -(-group // _HEADS_PER_BLOCK)
     slots = sms * _blocks_per_sm(head_dim, min(group, _HEADS_PER_BLOCK), dtype)
-    return wave_splits(blocks, slots, -(-max_seq_len // _TILE))
+    return wave_splits(blocks, slots, -(-max_seq_len // _TILE), _MIN_FILL)
 
 
 def paged_decode_attention(
@@ -58,7 +61,8 @@ def paged_decode_attention(
     is uploaded here). max_seq_len (host int, an upper bound is fine) sizes the split of long rows
     over SMs without a host sync; by default the block table's capacity. out_dtype: the cache's dtype
     (default) or float32; or ``out`` (contiguous [T, H, D], its dtype wins) is written. stages: tiles of K and V
-    in the kernel's shared-memory ring, 1-3 (0: the deepest that fits; the others are there to test and measure).
+    in the kernel's shared-memory ring, 1-3 (0: two, or one where two do not fit; the others are there to test and
+    measure).
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
