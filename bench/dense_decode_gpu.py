@@ -5,8 +5,11 @@
 
 The model is a random Llama-3.2-1B-shaped checkpoint (hidden 2048, 16 layers, 32 query heads and 8 KV
 heads of 64, MLP 8192, vocab 32000, bf16), written once to --ckpt. Tokens/s as in bench/decode_gpu.py
-(whose helpers this uses): batch * N over the time of N more new tokens, the fastest of --repeats runs,
-ATOM with its GPU defaults (CUDA graphs, async scheduling). The roofline is the bytes one decode step
+(whose helpers this uses): batch * N over the time of N new tokens after the first, the fastest of --repeats
+runs, ATOM with its GPU defaults (CUDA graphs, async scheduling). transformers' time is a run with N more
+tokens minus a one-token run; ATOM's is the batch's decode span from its requests' metrics (last first token
+to last finish), because its prefill-only run (64 prompts, one SDPA call each) takes longer than the decode it
+would be subtracted from at batch 64 (GPU_NOTES.md, session 36). The roofline is the bytes one decode step
 must read and write (the weights but the embedding table, and each sequence's K and V) over the copy
 ceiling measured here.
 
@@ -138,11 +141,13 @@ def main() -> None:
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = torch.randint(3, SHAPE["vocab_size"], (batch, args.input_len), generator=gen).tolist()
-        atom = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=args.repeats)
+        atom = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=args.repeats,
+                               span=True)
         before = None
         if args.reference_too:
             with reference_attention():
-                before = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=1)
+                before = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=1,
+                                         span=True)
         hf = hf_decode_tps(model, prompts, args.output_len, repeats=args.repeats)
         roof = batch / (step_bytes(model, batch, args.input_len + args.output_len // 2) / (ceiling * 1e9))
         rows.append((batch, atom, before, hf, roof))
