@@ -841,8 +841,9 @@ def test_paged_decode_attention_ignores_nan_rows_past_the_end(splits, D):
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("D, splits", [(128, 1), (128, 3), (36, 2)])
 def test_paged_decode_attention_stages(stages, D, splits):
-    """Every depth of the kernel's shared-memory ring (the default takes the deepest that fits) gives the same
-    attention, for 16-byte and element-by-element copies, whole rows and splits."""
+    """Every depth of the kernels' shared-memory ring (the default takes two) gives the same attention: the
+    tensor-core kernel (head_dim 128, 16-byte copies) and the CUDA-core one (head_dim 36, element copies), whole
+    rows and splits."""
     torch.manual_seed(D + stages)
     lens = [1000, 17, 0, 5, 64]
     k_cache, v_cache, tables = _kv_caches(lens, 16, 4, D, torch.bfloat16)
