@@ -149,6 +149,18 @@ __device__ __forceinline__ float pack_dot(const Pack<T, n>& a, const Pack<T, n>&
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Flash-decoding's split of a sequence: the tiles [begin, end) of `tile` positions each that split `split` of
+// num_splits owns (every split but the last takes the same whole number of tiles; begin >= end: none).
+struct TileRange {
+  int64_t begin, end;
+};
+__device__ __forceinline__ TileRange split_tiles(int64_t seq_len, int tile, int split, int num_splits) {
+  const int64_t tiles = ceil_div(seq_len, tile);
+  const int64_t per = ceil_div(tiles, num_splits);
+  const int64_t begin = split * per;
+  return {begin, begin + per < tiles ? begin + per : tiles};
+}
+
 // ---- Flash-decoding's merge of one output row from its splits (mla_decode, paged_decode_attention).
 //
 // Split s left its normalised output o_s (dim floats at part + s * part_stride) and the natural-log sum of

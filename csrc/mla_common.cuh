@@ -28,16 +28,6 @@ struct MlaParams {
   float scale;
 };
 
-// The positions [begin, end) of `tile`-sized tiles that split `split` owns.
-struct TileRange {
-  int64_t begin, end;
-};
-__device__ __forceinline__ TileRange split_tiles(int64_t seq_len, int tile, int split, int num_splits) {
-  const int64_t tiles = ceil_div(seq_len, tile);
-  const int64_t per = ceil_div(tiles, num_splits);
-  const int64_t begin = split * per;
-  return {begin, begin + per < tiles ? begin + per : tiles};
-}
 
 // Element offset of position `pos` of sequence b in the cache.
 __device__ __forceinline__ int64_t row_offset(const MlaParams& p, int64_t b, int64_t pos) {

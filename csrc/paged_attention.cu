@@ -149,9 +149,9 @@ __device__ __forceinline__ BlockWork block_work(const PagedParams& p) {
   w.row = blockIdx.y;
   w.split = blockIdx.z;
   const int64_t seq_len = load_index(p.seq_lens, w.row, p.sl64);
-  const int64_t per_split = ceil_div(ceil_div(seq_len, kTile), p.num_splits) * kTile;
-  w.begin = w.split * per_split;
-  w.end = w.begin + per_split < seq_len ? w.begin + per_split : seq_len;
+  const TileRange tiles = split_tiles(seq_len, kTile, w.split, p.num_splits);
+  w.begin = tiles.begin * kTile;
+  w.end = tiles.end * kTile < seq_len ? tiles.end * kTile : seq_len;
   return w;
 }
 
