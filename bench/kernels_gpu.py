@@ -11,6 +11,7 @@
     python bench/kernels_gpu.py --only ksplit        # the gemv kernel with each k_split forced
     python bench/kernels_gpu.py --only kda_gate_proj # KDA's gate projections: one kernel vs three
     python bench/kernels_gpu.py --only paged_decode  # dense models' GQA decode attention
+    python bench/kernels_gpu.py --only paged_prefill  # their prefill: one launch vs SDPA a sequence at a time
 
 Each row: the fewest bytes the op must move through device memory (every
 input read once, every output written once) over its median time, and that
@@ -279,6 +280,53 @@ def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, ra
           f"{old_us / new_us:.1f}x (outputs differ by {err:.1e})", flush=True)  # fmt: skip
     return {"op": name, "bytes": cache.numel() * 2 + (q.numel() + out.numel()) * 2, "us": new_us, "tflops": tflops,
             "baseline_us": old_us}
+
+
+def bench_paged_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, kv_heads: int = 8,
+                        dim: int = 128) -> dict:  # fmt: skip
+    """A dense model's attention for a prefill step (bf16, block size 16): ``paged_prefill_attention``'s kernel,
+    one launch for every sequence (forced: no sequence left to SDPA), and the wrapper as the layer calls it
+    (long sequences left to SDPA), against the SDPA path (one sequence at a time: gather, expand to the query
+    heads, flash attention), side by side. ``seqs`` sequences of ``new`` tokens each, after ``context`` cached
+    ones."""
+    import atom.ops.cuda.paged_attention as paged
+
+    bf16, block = torch.bfloat16, 16
+    seq_len = context + new
+    per_seq = -(-seq_len // block)
+    tables = torch.randperm(seqs * per_seq, device="cuda").view(seqs, per_seq).to(torch.int32)
+    k_cache = torch.randn(seqs * per_seq, block, kv_heads, dim, dtype=bf16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(seqs * new, heads, dim, dtype=bf16, device="cuda")
+    starts, lens, order = [i * new for i in range(seqs + 1)], [seq_len] * seqs, tuple(range(seqs))
+    out, sdpa_out = torch.empty_like(q), torch.empty_like(q)
+
+    def layer():
+        paged.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, order, dim**-0.5, out)
+
+    def kernel():
+        saved, paged.SDPA_PAIRS = paged.SDPA_PAIRS, float("inf")
+        try:
+            layer()
+        finally:
+            paged.SDPA_PAIRS = saved
+
+    def sdpa():
+        paged.paged_prefill_attention_sdpa(q, k_cache, v_cache, tables, starts, lens, order, dim**-0.5, sdpa_out)
+
+    kernel()
+    sdpa()
+    err = ((out.float() - sdpa_out.float()).norm() / sdpa_out.float().norm()).item()
+    new_us, old_us = time_us(kernel, reps=10, warmup=2), time_us(sdpa, reps=5, warmup=1)
+    layer_us = time_us(layer, reps=5, warmup=1)
+    pairs = seqs * (new * context + new * (new + 1) // 2)  # causal (query, key) pairs
+    tflops = 4 * pairs * heads * dim / new_us / 1e6  # q.k and p.v, dim multiply-adds each
+    name = f"paged_prefill {seqs}x{new} ctx={context} H={heads}/{kv_heads} D={dim}"
+    print(f"{name}: kernel {new_us:.0f} us ({tflops:.0f} TFLOP/s), SDPA a sequence at a time {old_us:.0f} us "
+          f"({4 * pairs * heads * dim / old_us / 1e6:.0f} TFLOP/s): {old_us / new_us:.2f}x (outputs differ by "
+          f"{err:.1e}); as the layer calls it {layer_us:.0f} us: {old_us / layer_us:.2f}x", flush=True)  # fmt: skip
+    moved = (k_cache.numel() + v_cache.numel() + q.numel() + out.numel()) * 2
+    return {"op": name, "bytes": moved, "us": new_us, "tflops": tflops, "baseline_us": old_us, "layer_us": layer_us}
 
 
 def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
@@ -790,6 +838,10 @@ def main() -> None:
     for dim, kv_heads in ((128, 8), (64, 8)):  # Llama-3-8B's attention; Llama-3.2-1B's
         cases += [(f"paged_decode B={b} ctx={c} D={dim}", lambda b=b, c=c, d=dim, k=kv_heads: bench_paged(
             C, b, c, kv_heads=k, dim=d)) for c in (256, 1024, 4096) for b in batches]  # fmt: skip
+    for dim in (128, 64):  # Llama-3-8B's and Llama-3.2-1B's heads (32 and 8 kv)
+        cases += [(f"paged_prefill {n}x{t} ctx={c} D={dim}", lambda n=n, t=t, c=c, d=dim: bench_paged_prefill(
+            n, t, c, dim=d)) for n, t, c in ((64, 64, 0), (16, 512, 0), (4, 2048, 0), (1, 8192, 0), (1, 512, 3584),
+                                             (16, 32, 1000))]  # fmt: skip
     cases += [(f"mla_prefill {n}x{t} ctx={c}", lambda n=n, t=t, c=c: bench_mla_prefill(n, t, c))
               for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144))]  # fmt: skip
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]

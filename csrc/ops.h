@@ -205,6 +205,21 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
 // heads_per_block (1..8) query heads of head_dim in dtype; 0 for sizes it does not take. Sizes its splits.
 int paged_decode_blocks_per_sm(int64_t head_dim, int64_t heads_per_block, int dtype);
 
+// paged_prefill_attention: causal attention of prefill chunks over the same caches (tensor cores; see
+// paged_prefill_supported). q and out [tokens, heads, head_dim] contiguous; work [num_work, 4] int32 items
+// (block-table row, first token row, queries <= queries_per_item, first query's position): query i of an item
+// is token row + i and attends positions 0 .. position + i of its sequence. queries_per_item * (heads / kv_heads)
+// <= 64. Rows no item names are left alone.
+const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
+                                    int64_t token_stride, int64_t head_stride, int64_t block_size,
+                                    uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
+                                    uintptr_t work, int64_t num_work, int64_t queries_per_item, uintptr_t out,
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int dtype,
+                                    uintptr_t stream);
+
+// Whether this build's paged_prefill_attention takes head_dim and dtype: bf16/fp16 at 64 or 128, on NVIDIA.
+bool paged_prefill_supported(int64_t head_dim, int dtype);
+
 // rotary_write_kv: neox rotary embedding of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows
 // at the given strides, heads contiguous within a row) by positions [tokens] (int32/int64) and inv_freq
 // [head_dim / 2] (float32); the rotated q to q_out [tokens, heads, head_dim] contiguous, the rotated k and v

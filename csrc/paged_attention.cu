@@ -42,10 +42,13 @@ constexpr int kWarps = kThreads / kGroup;
 constexpr int kMaxHeads = 8;  // query heads a block serves
 constexpr int kMaxDim = 256;
 constexpr int kMaxStages = 3;
-// Two stages unless the caller asks: on the H200 a third never helped by more than noise, and it costs blocks an SM
-// (at head_dim 128, batch 64: 50.5% of the copy ceiling in three stages, 74.3% in two; GPU_NOTES, session 36).
+// Two stages unless the caller asks (one past head_dim 128): on the H200 a third never helped by more than noise,
+// and it costs blocks an SM (at head_dim 128, batch 64: 50.5% of the copy ceiling in three stages, 74.3% in two;
+// GPU_NOTES, session 36). At head_dim 256 two stages leave room for 2 blocks an SM, one stage for 4: one stage was
+// faster at every measured shape (77.3% against 72.3% at batch 64 and 1024 positions; session 37).
 constexpr int kDefaultStages = 2;
 constexpr int kMmaRows = 16;  // the tensor-core kernel's query rows: the block's heads, then zeros
+constexpr int kPrefillRows = kWarps * kMmaRows;  // (query, head) rows of a prefill block: 16 a warp
 constexpr int kScoreRounds = kMaxHeads * kTile / kThreads;        // (head, position) items a thread scores
 constexpr int kValueRounds = kMaxHeads * kMaxDim / 4 / kThreads;  // (head, 4 columns) items a thread sums
 constexpr float kLog2e = 1.4426950408889634f;
@@ -67,7 +70,7 @@ struct PagedParams {
   float* lse_part;  // [rows, splits, heads]: natural-log sum of exp(score) of each split
   int heads, kv_heads, dim, num_splits;
   float scale;
-  int stages;  // shared-memory tiles in the ring: 1..kMaxStages (0 from the caller: kDefaultStages, if it fits)
+  int stages;  // shared-memory tiles in the ring: 1..kMaxStages (0 from the caller: the default, if it fits)
   bool vec;    // head rows of K and V 16-byte aligned: cp.async in 16-byte pieces
 };
 
@@ -560,6 +563,162 @@ __global__ void __launch_bounds__(kThreads, kDim > 128 ? 4 : 5) paged_decode_mma
   if (S > 1 && warp == 0 && t4 == 0)
     p.lse_part[(w.row * S + w.split) * p.heads + head] = (top + log2f(total)) / kLog2e;
 }
+
+// ---- paged_prefill_attention: the causal attention of prefill chunks over the paged caches, on tensor cores.
+//
+// A block serves kPrefillRows (query, head) rows of one kv head: row r is query r / group of its work item and
+// query head kvh * group + r % group, so a K or V tile read from the cache serves every head of the group. Warp w
+// takes rows 16 w .. 16 w + 15 (rows g and g + 8 of its fragments, both real here) over every position up to its
+// last query's own, in tiles through the same ring as the decode kernels; each warp keeps its rows' online
+// softmax in registers and writes its rows itself. A work item (int4): the sequence's block-table row, the token
+// row of its first query in q and out, how many queries (<= kPrefillRows / group), and the first query's position
+// (its cached context plus its index in the chunk); query i attends positions 0 .. position + i.
+
+template <typename T>
+__host__ __device__ constexpr int prefill_smem_bytes(int dim, int stages) {
+  return (stages * 2 * kTile + kPrefillRows) * row_elems<T>(dim) * static_cast<int>(sizeof(T)) +
+         stages * kTile * static_cast<int>(sizeof(int64_t));
+}
+
+// grid (work items, kv_heads), kThreads threads, prefill_smem_bytes of shared memory; q and out [tokens, heads,
+// kDim] contiguous and 16-byte aligned.
+template <typename T, int kDim>
+__global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedParams p, const int4* work) {
+  static_assert(kDim % 16 == 0 && kDim <= 128, "o's accumulators: kDim / 2 registers a thread");
+  constexpr int kKSteps = kDim / 16, kNTiles = kDim / 8, kPer16 = KvRing<T>::kPer16, kPieces = kDim / kPer16;
+  pdl_enter();
+  const int4 job = work[blockIdx.x];  // x: block-table row, y: first token row, z: queries, w: first position
+  const int group = p.heads / p.kv_heads;
+  BlockWork w;
+  w.kvh = static_cast<int>(blockIdx.y);
+  w.h0 = w.kvh * group;
+  w.nh = group;
+  w.split = 0;
+  w.row = job.x;
+  w.begin = 0;
+  w.end = static_cast<int64_t>(job.w) + job.z;  // through the last query's own position
+  const KvRing<T> ring = make_ring<T>(p, w, kPrefillRows);
+  const int rs = ring.rs;
+  T* q_s = ring.tiles + ring.stages * 2 * kTile * rs;  // [kPrefillRows][rs]: zeros in rows past the queries
+  for (int c = threadIdx.x; c < kPrefillRows * kPieces; c += kThreads) {
+    const int r = c / kPieces, piece = c % kPieces, qi = r / group;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (qi < job.z)
+      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) +
+                                          ((static_cast<int64_t>(job.y) + qi) * p.heads + w.h0 + r % group) * kDim +
+                                          piece * kPer16);
+    *reinterpret_cast<uint4*>(q_s + r * rs + piece * kPer16) = v;
+  }
+  ring.start();  // its barrier also publishes q_s
+
+  const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup, g = lane >> 2, t4 = lane & 3;
+  int last[2];  // the last position rows g and g + 8 attend to; -1 for rows past the queries
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int qi = (warp * kMmaRows + g + 8 * h) / group;
+    last[h] = qi < job.z ? job.w + qi : -1;
+  }
+  const int first_q = warp * kMmaRows / group;  // the warp's rows' queries: first_q .. its last valid one
+  const int warp_last = first_q < job.z ? job.w + min(job.z - 1, (warp * kMmaRows + kMmaRows - 1) / group) : -1;
+  const float scale = p.scale * kLog2e;
+  float o[kNTiles][4];  // rows g (0, 1) and g + 8 (2, 3), columns 8 nt + 2 t4 (+1)
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[nt][i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows' running maxima (base 2), this lane's sums
+  const T* a_ptr = q_s + (warp * kMmaRows + (lane & 15)) * rs + (lane >> 4) * 8;
+
+  for (int t = 0; t < ring.num_tiles; ++t) {
+    const int64_t ahead = ring.arrive(t);
+    if (t * kTile <= warp_last) {  // else every position of the tile lies past the warp's rows (uniform)
+      const T* k_s = ring.k_tile(t);
+      const T* v_s = ring.v_tile(t);
+      // S[16 x 32] = Q K^T: four n-tiles of 8 positions.
+      float s[4][4] = {};
+      const T* b_ptr = k_s + ((lane & 7) + ((lane >> 4) << 3)) * rs + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t a[4];
+        ptx::ldmatrix_x4(a, a_ptr + ks * 16);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4(b, b_ptr + half * 16 * rs + ks * 16);
+          mma16816<T>(s[2 * half], a, b[0], b[1]);
+          mma16816<T>(s[2 * half + 1], a, b[2], b[3]);
+        }
+      }
+      // The causal mask and the online softmax of rows g (h = 0) and g + 8 (h = 1); a row's four lanes agree.
+      float mx[2] = {m[0], m[1]};
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int h = i >> 1, pos = t * kTile + nt * 8 + 2 * t4 + (i & 1);
+          s[nt][i] = pos <= last[h] ? s[nt][i] * scale : -INFINITY;
+          mx[h] = fmaxf(mx[h], s[nt][i]);
+        }
+      float alpha[2], base[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1, kGroup));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2, kGroup));
+        base[h] = mx[h] == -INFINITY ? 0.f : mx[h];  // a row past the queries: every weight 0
+        alpha[h] = exp2f(m[h] - base[h]);
+        m[h] = mx[h];
+        l[h] *= alpha[h];
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          s[nt][i] = exp2f(s[nt][i] - base[i >> 1]);
+          l[i >> 1] += s[nt][i];
+        }
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        o[nt][0] *= alpha[0];
+        o[nt][1] *= alpha[0];
+        o[nt][2] *= alpha[1];
+        o[nt][3] *= alpha[1];
+      }
+      // O += P V, 16 positions a k-step: P from the scores' registers, V's rows by ldmatrix.trans.
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        const T* v_ptr = v_s + (kk * 16 + (lane & 15)) * rs + (lane >> 4) * 8;
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, v_ptr + np * 16);
+          mma16816<T>(o[2 * np], pa, b[0], b[1]);
+          mma16816<T>(o[2 * np + 1], pa, b[2], b[3]);
+        }
+      }
+    }
+    ring.keep(t + ring.stages, ahead);
+  }
+
+  // Each row's sum over its four lanes, then the warp's rows out.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1, kGroup);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2, kGroup);
+    if (last[h] < 0) continue;
+    const int r = warp * kMmaRows + g + 8 * h;
+    const float inv = 1.f / l[h];
+    T* out = static_cast<T*>(p.out) + ((static_cast<int64_t>(job.y) + r / group) * p.heads + w.h0 + r % group) * kDim;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const int col = nt * 8 + 2 * t4;
+      out[col] = from_float<T>(o[nt][2 * h] * inv);
+      out[col + 1] = from_float<T>(o[nt][2 * h + 1] * inv);
+    }
+  }
+}
 #endif  // ATOM_PAGED_MMA
 
 // Merges the splits of one (head, row) (merge_splits, kernel_common.h). grid (heads, rows), block kMergeThreads.
@@ -586,14 +745,16 @@ using PagedKernelFn = void (*)(PagedParams);
 
 // Lets `kernel` take `bytes` of dynamic shared memory (past the default 48 KiB). Remembers the most each kernel
 // was allowed, so launches after the first make no runtime call (one GPU per process).
-cudaError_t allow_smem(PagedKernelFn kernel, int bytes) {
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
   static std::mutex mutex;
-  static std::vector<std::pair<PagedKernelFn, int>> allowed;
+  static std::vector<std::pair<const void*, int>> allowed;
+  const void* key = reinterpret_cast<const void*>(kernel);
   std::lock_guard<std::mutex> lock(mutex);
   for (const auto& [fn, most] : allowed)
-    if (fn == kernel && bytes <= most) return cudaSuccess;
+    if (fn == key && bytes <= most) return cudaSuccess;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess) allowed.emplace_back(kernel, bytes);
+  if (err == cudaSuccess) allowed.emplace_back(key, bytes);
   return err;
 }
 
@@ -630,7 +791,7 @@ const char* prepare_paged(PagedParams& p, PagedKernel& kernel, int& smem) {
   while (deepest > 0 && paged_smem_bytes<T>(p.dim, heads, deepest, kernel.mma) > limit) --deepest;
   if (deepest == 0) return "paged_decode_attention: head_dim too large for this GPU's shared memory";
   if (p.stages > deepest) return "paged_decode_attention: that many stages do not fit this GPU's shared memory";
-  if (p.stages == 0) p.stages = min(kDefaultStages, deepest);
+  if (p.stages == 0) p.stages = min(p.dim > 128 ? 1 : kDefaultStages, deepest);
   smem = paged_smem_bytes<T>(p.dim, heads, p.stages, kernel.mma);
   const cudaError_t err = allow_smem(kernel.fn, smem);
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
@@ -651,6 +812,20 @@ const char* launch_paged(PagedParams p, int64_t rows, cudaStream_t stream) {
   launch_kernel(paged_combine_kernel<OutT>, merge, kMergeThreads, merge_shared_bytes(p.num_splits), stream, p);
   return last_launch_error();
 }
+
+#ifdef ATOM_PAGED_MMA
+template <typename T>
+const char* launch_prefill(PagedParams p, const int4* work, int64_t num_work, cudaStream_t stream) {
+  p.stages = kDefaultStages;
+  const int smem = prefill_smem_bytes<T>(p.dim, p.stages);
+  void (*kernel)(PagedParams, const int4*) =
+      p.dim == 64 ? paged_prefill_mma_kernel<T, 64> : paged_prefill_mma_kernel<T, 128>;
+  if (const cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return cudaGetErrorString(err);
+  const dim3 grid(static_cast<unsigned>(num_work), static_cast<unsigned>(p.kv_heads));
+  launch_kernel(kernel, grid, kThreads, static_cast<size_t>(smem), stream, p, work);
+  return last_launch_error();
+}
+#endif
 
 // Blocks of the kernel for aligned caches of T (output T) that one SM runs at once, for `heads` query heads
 // of head_dim; 0 if none fits.
@@ -828,6 +1003,65 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
     return out_dtype == kFloat32 ? launch_paged<scalar_t, float>(p, rows, st)
                                  : launch_paged<scalar_t, scalar_t>(p, rows, st);
   });
+}
+
+const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
+                                    int64_t token_stride, int64_t head_stride, int64_t block_size,
+                                    uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
+                                    uintptr_t work, int64_t num_work, int64_t queries_per_item, uintptr_t out,
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int dtype,
+                                    uintptr_t stream) {
+  if (num_work < 0 || heads < 1 || kv_heads < 1 || block_size < 1 || heads % kv_heads != 0)
+    return "paged_prefill_attention: needs num_work >= 0, block_size >= 1 and heads a multiple of kv_heads >= 1";
+  if (queries_per_item < 1 || queries_per_item * (heads / kv_heads) > kPrefillRows)
+    return "paged_prefill_attention: a work item's queries times the group must be 1..64 rows";
+  if (block_table_dtype != kInt32 && block_table_dtype != kInt64)
+    return "paged_prefill_attention: block_tables must be int32 or int64";
+  if (num_work > INT32_MAX || kv_heads > 65535) return "paged_prefill_attention: too many work items or kv heads";
+  if (!paged_prefill_supported(head_dim, dtype))
+    return "paged_prefill_attention: takes bf16/fp16 rows of 64 or 128 on NVIDIA GPUs";
+  const auto aligned = [](uintptr_t ptr) { return ptr % 16 == 0; };
+  if (!aligned(q) || !aligned(out) || !aligned(k_cache) || !aligned(v_cache) || block_stride % 8 != 0 ||
+      token_stride % 8 != 0 || head_stride % 8 != 0)
+    return "paged_prefill_attention: q, out and the caches' head rows must be 16-byte aligned";
+  if (num_work == 0) return nullptr;
+#ifdef ATOM_PAGED_MMA
+  PagedParams p{};
+  p.q = reinterpret_cast<const void*>(q);
+  p.k_cache = reinterpret_cast<const void*>(k_cache);
+  p.v_cache = reinterpret_cast<const void*>(v_cache);
+  p.block_stride = block_stride;
+  p.token_stride = token_stride;
+  p.head_stride = head_stride;
+  p.block_size = static_cast<int>(block_size);
+  p.block_tables = reinterpret_cast<const void*>(block_tables);
+  p.bt_stride = block_table_stride;
+  p.bt64 = block_table_dtype == kInt64;
+  p.out = reinterpret_cast<void*>(out);
+  p.heads = static_cast<int>(heads);
+  p.kv_heads = static_cast<int>(kv_heads);
+  p.dim = static_cast<int>(head_dim);
+  p.num_splits = 1;
+  p.scale = static_cast<float>(scale);
+  p.vec = true;
+  const int4* items = reinterpret_cast<const int4*>(work);
+  cudaStream_t st = as_stream(stream);
+  return dtype == kBFloat16 ? launch_prefill<bf16_t>(p, items, num_work, st)
+                            : launch_prefill<fp16_t>(p, items, num_work, st);
+#else
+  (void)stream;
+  return "paged_prefill_attention: takes bf16/fp16 rows of 64 or 128 on NVIDIA GPUs";
+#endif
+}
+
+bool paged_prefill_supported(int64_t head_dim, int dtype) {
+#ifdef ATOM_PAGED_MMA
+  return (head_dim == 64 || head_dim == 128) && (dtype == kBFloat16 || dtype == kFloat16);
+#else
+  (void)head_dim;
+  (void)dtype;
+  return false;
+#endif
 }
 
 int paged_decode_blocks_per_sm(int64_t head_dim, int64_t heads_per_block, int dtype) {

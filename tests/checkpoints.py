@@ -76,16 +76,20 @@ def make_kimi_checkpoint(path: str, variant: str = "kda_mla", tokenizer: bool = 
     return path
 
 
-def make_llama_checkpoint(path: str, kind: str = "llama", tokenizer: bool = True, seed: int = 0) -> str:
+def make_llama_checkpoint(path: str, kind: str = "llama", tokenizer: bool = True, seed: int = 0,
+                          head_dim: int | None = None) -> str:  # fmt: skip
+    """A random Llama or Qwen3 checkpoint: hidden 64, 4 query heads and 2 kv heads of head_dim (by default 16
+    for Llama, hidden / heads, and 24 for Qwen3)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **common))
+        dims = {} if head_dim is None else {"head_dim": head_dim}
+        model = LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **dims, **common))
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+        model = Qwen3ForCausalLM(Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim or 24,
                                              tie_word_embeddings=True, **common))
     model.eval().save_pretrained(path)
     if tokenizer:

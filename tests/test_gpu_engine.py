@@ -117,8 +117,8 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
     """A dense model's GQA attention decodes with paged_decode_attention, eagerly and in CUDA graphs, and
     gives the CPU reference path's greedy tokens; so do n-gram speculation's verification rows. Every step
     rotates and writes the cache with rotary_write_kv; steps that mix prefill chunks with decode rows (the
-    16-token budget) attend the decode rows with the kernel and the prefills with SDPA's fused kernels."""
-    import atom.layers.attention as attention
+    16-token budget) attend the decode rows with the kernel and the prefills with paged_prefill_attention (SDPA's
+    kernels in fp32)."""
     import atom.ops.cuda as kernels
 
     calls = {"paged_decode_attention": 0, "rotary_write_kv": 0}
@@ -127,14 +127,14 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
         monkeypatch.setattr(kernels, name, lambda *a, _inner=inner, _name=name, **kw: (
             calls.__setitem__(_name, calls[_name] + 1), _inner(*a, **kw))[1])  # fmt: skip
     mixed = []  # per prefill call on the GPU: whether its step also had decode rows
-    prefill = attention.paged_prefill_attention
+    prefill = kernels.paged_prefill_attention
 
-    def counting_prefill(q, k_cache, v_cache, md, scale, seqs, out):
-        assert all(md.query_lens[b] > 1 for b in seqs)
-        mixed.append(len(seqs) < md.num_seqs)
-        return prefill(q, k_cache, v_cache, md, scale, seqs, out)
+    def counting_prefill(q, k_cache, v_cache, tables, starts, seq_lens, seqs, scale, out):
+        assert all(starts[b + 1] - starts[b] > 1 for b in seqs)
+        mixed.append(len(seqs) < len(seq_lens))
+        return prefill(q, k_cache, v_cache, tables, starts, seq_lens, seqs, scale, out)
 
-    monkeypatch.setattr(attention, "paged_prefill_attention", counting_prefill)
+    monkeypatch.setattr(kernels, "paged_prefill_attention", counting_prefill)
     path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False)
     cpu = _generate(path)
     eager = _generate(path, device="cuda", enforce_eager=True)
@@ -145,6 +145,47 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
     spec = _generate(path, device="cuda", speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                               "prompt_lookup_max": 3})
     assert graphs == eager == spec == cpu
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_gpu_dense_prefill_kernel_in_bf16_agrees_with_sdpa(tmp_path, monkeypatch, kind):
+    """In bf16 with head_dim 64, a dense model's prefill chunks go through paged_prefill_attention's kernel (one
+    launch a layer for a step's chunks, each after its cached context under a 64-token budget). Its prompt
+    logprobs stay within bf16's rounding of the SDPA path's (one sequence at a time), and its greedy tokens equal
+    that path's. Every block and slot is free after each run."""
+    import atom.ops.cuda.paged_attention as paged
+    from atom import LLM
+
+    launches = []
+    inner = paged.C
+
+    class Counting:  # atom._C, with the prefill kernel's launches counted
+        def __getattr__(self, name):
+            if name == "paged_prefill_attention":
+                launches.append(name)
+            return getattr(inner(), name)
+
+    monkeypatch.setattr(paged, "C", Counting)
+    path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False, head_dim=64)
+    prompts = [list(range(3, 140)), [5, 6, 7, 8] * 20, list(range(200, 237)), [9, 10], list(range(40, 104))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+
+    def run() -> tuple[list[list[int]], list[list[float]]]:
+        llm = LLM(path, dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_num_seqs=8)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert llm.engine.all_resources_free()
+        logprobs = [[o.prompt_logprobs[i][p[i]] for i in range(1, len(p))] for o, p in zip(outs, prompts)]
+        return [o.outputs[0].token_ids for o in outs], logprobs
+
+    tokens, logprobs = run()
+    assert launches
+    monkeypatch.setattr(paged, "prefill_kernel_applies", lambda q, k_cache: False)
+    launches.clear()
+    sdpa_tokens, sdpa_logprobs = run()
+    assert not launches
+    worst = max(abs(a - b) for mine, theirs in zip(logprobs, sdpa_logprobs) for a, b in zip(mine, theirs))
+    assert worst < 0.05, worst
+    assert tokens == sdpa_tokens
 
 
 def test_gpu_programmatic_launch_changes_no_token(tmp_path, graph_replays):

@@ -216,11 +216,11 @@ def test_rotary_write_kv_reference_matches_the_layer_path():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_prefill_attention_matches_the_reference(dtype):
-    """The prefill path of a GPU step (SDPA's fused kernels, lower-right causal) gives the reference's values for
+def test_paged_prefill_attention_sdpa_matches_the_reference(dtype):
+    """The SDPA prefill path (SDPA's fused kernels, lower-right causal) gives the reference's values for
     chunks with and without cached context, and leaves the other sequences' rows of ``out`` alone."""
     from atom.forward_context import build_attention_metadata
-    from atom.ops.paged_attention import paged_attention, paged_prefill_attention
+    from atom.ops.paged_attention import paged_attention, paged_prefill_attention_sdpa
 
     torch.manual_seed(1)
     H, Hkv, D, bs = 6, 2, 16, 4
@@ -231,7 +231,8 @@ def test_paged_prefill_attention_matches_the_reference(dtype):
     q = _rand(sum(query_lens), H, D, dtype=dtype)
     expected = paged_attention(q, k_cache, v_cache, md, 0.3)
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, k_cache, v_cache, md, 0.3, (0, 2, 3), out)
+    paged_prefill_attention_sdpa(q, k_cache, v_cache, md.block_tables, md.query_start_loc, md.seq_lens, (0, 2, 3),
+                                 0.3, out)  # fmt: skip
     rows = torch.ones(len(q), dtype=torch.bool)
     rows[5] = False  # the decode row's
     assert out[~rows].isnan().all()
@@ -868,6 +869,102 @@ def test_paged_decode_attention_rows_of_one_sequence():
                                                          0.2) for i in range(4)])  # fmt: skip
     out = paged_decode_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), rows.cuda(), seq_lens.cuda(), 0.2)
     assert rel_err(out, expected) < TOL[torch.float32]
+
+
+def _prefill_case(query_lens, context_lens, block_size, Hkv, D, dtype, poison=False):
+    """Caches, metadata and q of a step whose sequence b brings query_lens[b] tokens after context_lens[b]."""
+    from atom.forward_context import build_attention_metadata
+
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    k_cache, v_cache, tables = _kv_caches(seq_lens, block_size, Hkv, D, dtype)
+    if poison:  # NaN in every slot no sequence owns, and past each sequence's end in its last block
+        owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+        for b, n in enumerate(seq_lens):
+            for pos in range(n):
+                owned[tables[b, pos // block_size], pos % block_size] = True
+        k_cache[~owned] = float("nan")
+        v_cache[~owned] = float("nan")
+    rows = [[int(x) for x in tables[b, : -(-n // block_size)]] for b, n in enumerate(seq_lens)]
+    md = build_attention_metadata(query_lens, context_lens, rows, [-1] * len(seq_lens), block_size)
+    return k_cache, v_cache, md
+
+
+@gpu
+@pytest.mark.parametrize(
+    "dtype, H, Hkv, D, block_size, query_lens, context_lens",
+    [
+        (torch.bfloat16, 32, 8, 128, 16, [300, 2, 1, 77, 16], [0, 40, 9, 517, 16]),  # Llama-3-8B's heads; chunks
+        (torch.bfloat16, 32, 8, 64, 16, [64, 65, 17], [0, 0, 1000]),  # Llama-3.2-1B's: 16 queries an item
+        (torch.float16, 8, 8, 64, 7, [130, 5], [3, 0]),  # no grouping (64 queries an item), odd block size
+        (torch.bfloat16, 24, 8, 128, 32, [50, 21, 22], [7, 0, 300]),  # group 3: 21 queries, 63 of 64 rows
+        (torch.bfloat16, 64, 1, 64, 16, [9, 3], [100, 0]),  # group 64: one query an item
+        (torch.float16, 16, 2, 128, 16, [200, 40], [1, 2000]),  # group 8, fp16
+    ],
+)
+def test_paged_prefill_attention(dtype, H, Hkv, D, block_size, query_lens, context_lens):
+    """One launch attends every prefill chunk of a step (causal, after its cached context) as the reference does,
+    reads no cache slot past a sequence's end (NaN there), and leaves the other sequences' rows alone."""
+    from atom.ops.cuda.paged_attention import paged_prefill_attention, prefill_kernel_applies
+    from atom.ops.paged_attention import paged_attention
+
+    torch.manual_seed(H + D + len(query_lens))
+    k_cache, v_cache, md = _prefill_case(query_lens, context_lens, block_size, Hkv, D, dtype, poison=True)
+    q = _rand(sum(query_lens), H, D, dtype=dtype)
+    expected = paged_attention(q.float(), k_cache.nan_to_num(), v_cache.nan_to_num(), md, D**-0.5)
+    seqs = tuple(b for b, n in enumerate(query_lens) if n > 1)
+    q_gpu, k_gpu, v_gpu = q.cuda(), k_cache.cuda(), v_cache.cuda()
+    assert prefill_kernel_applies(q_gpu, k_gpu)
+    out = torch.full_like(q_gpu, float("nan"))
+    paged_prefill_attention(q_gpu, k_gpu, v_gpu, md.block_tables.cuda(), md.query_start_loc, md.seq_lens, seqs,
+                            D**-0.5, out)  # fmt: skip
+    mine = torch.zeros(len(q), dtype=torch.bool)
+    for b in seqs:
+        mine[md.query_start_loc[b] : md.query_start_loc[b + 1]] = True
+    assert out[~mine.cuda()].isnan().all()
+    assert rel_err(out[mine.cuda()], expected[mine]) < TOL[torch.bfloat16]
+
+
+@gpu
+def test_paged_prefill_attention_leaves_long_sequences_to_sdpa(monkeypatch):
+    """A step's sequences of SDPA_PAIRS causal pairs or more go through SDPA, the others through the kernel, in
+    the same call; every row gets the reference's values."""
+    import atom.ops.cuda.paged_attention as paged
+    from atom.ops.paged_attention import paged_attention
+
+    torch.manual_seed(5)
+    query_lens, context_lens = [300, 40, 1449, 2], [3500, 10, 0, 0]  # 1.09M, 0.4k + 0.8k, 1.05M, 3 pairs
+    assert [paged.causal_pairs(n, c + n) >= paged.SDPA_PAIRS for n, c in zip(query_lens, context_lens)] == [
+        True, False, True, False]  # fmt: skip
+    sent = []
+    sdpa = paged.paged_prefill_attention_sdpa
+    monkeypatch.setattr(paged, "paged_prefill_attention_sdpa", lambda *a: (sent.append(a[6]), sdpa(*a))[1])
+    k_cache, v_cache, md = _prefill_case(query_lens, context_lens, 16, 2, 64, torch.bfloat16)
+    q = _rand(sum(query_lens), 8, 64, dtype=torch.bfloat16)
+    expected = paged_attention(q.float(), k_cache, v_cache, md, 0.125)
+    out = torch.full_like(q, float("nan"), device="cuda")
+    paged.paged_prefill_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), md.block_tables.cuda(),
+                                  md.query_start_loc, md.seq_lens, (0, 1, 2, 3), 0.125, out)  # fmt: skip
+    assert sent == [(0, 2)]
+    assert rel_err(out, expected) < TOL[torch.bfloat16]
+
+
+@gpu
+def test_paged_prefill_attention_takes_sdpa_where_the_kernel_does_not_apply():
+    """fp32, or a head_dim the kernel lacks: the same call gives the SDPA path's values exactly."""
+    from atom.ops.cuda.paged_attention import paged_prefill_attention, prefill_kernel_applies
+    from atom.ops.paged_attention import paged_prefill_attention_sdpa
+
+    for dtype, D in ((torch.float32, 128), (torch.bfloat16, 96)):
+        torch.manual_seed(D)
+        k_cache, v_cache, md = _prefill_case([40, 7], [0, 30], 16, 2, D, dtype)
+        q = _rand(47, 4, D, dtype=dtype, device="cuda")
+        k_cache, v_cache, tables = k_cache.cuda(), v_cache.cuda(), md.block_tables.cuda()
+        assert not prefill_kernel_applies(q, k_cache)
+        out, expected = torch.zeros_like(q), torch.zeros_like(q)
+        paged_prefill_attention(q, k_cache, v_cache, tables, md.query_start_loc, md.seq_lens, (0, 1), 0.1, out)
+        paged_prefill_attention_sdpa(q, k_cache, v_cache, tables, md.query_start_loc, md.seq_lens, (0, 1), 0.1,
+                                     expected)  # fmt: skip
+        assert torch.equal(out, expected)
 
 
 @gpu

@@ -10,7 +10,9 @@ On a GPU with the ``atom._C`` kernels:
   verification) attend with ``paged_decode_attention``, one query row per token
   over its own prefix: no host sync, so decode graphs can capture them;
 - steps with prefills attend their one-token rows with that kernel too, and
-  their longer rows with SDPA's fused kernels (``paged_prefill_attention``).
+  their longer rows with ``paged_prefill_attention``: one launch for every
+  prefill chunk of the step on tensor cores (bf16/fp16, head_dim 64 or 128),
+  else SDPA's fused kernels a sequence at a time.
 A CPU runs the torch reference (``atom.layers.rotary``, ``atom.ops.paged_attention``).
 """
 
@@ -24,7 +26,7 @@ from atom.layers.cache_spec import PagedKVSpec
 from atom.layers.rotary import RotaryEmbedding
 from atom.ops import cuda as kernels
 from atom.ops import split_decode_prefill
-from atom.ops.paged_attention import paged_attention, paged_prefill_attention, write_kv_cache
+from atom.ops.paged_attention import paged_attention, write_kv_cache
 
 # Steps whose longest query is at most this many tokens go through paged_decode_attention:
 # each token row reads its whole prefix, so this only pays for short queries.
@@ -78,7 +80,7 @@ class Attention(nn.Module):
             return kernels.paged_decode_attention(q, k_cache, v_cache, tables, md.token_seq_lens, self.scale,
                                                   max_seq_len=md.max_seq_len, out_dtype=q.dtype)  # fmt: skip
         # A step with prefills: the decoding sequences' rows through the kernel, as in a decode step (a new
-        # request must not slow every running one down to the reference), the prefills' through SDPA's kernels.
+        # request must not slow every running one down to the reference), the prefills' in one more launch.
         out = torch.empty_like(q)
         for layout in split_decode_prefill(md.query_start_loc, q.device):
             if layout.max_len == 1:
@@ -87,5 +89,6 @@ class Attention(nn.Module):
                     q[rows], k_cache, v_cache, md.block_tables[layout.seq_ids], md.token_seq_lens[rows], self.scale,
                     max_seq_len=md.max_seq_len, out_dtype=q.dtype)  # fmt: skip
             else:
-                paged_prefill_attention(q, k_cache, v_cache, md, self.scale, layout.seqs, out)
+                kernels.paged_prefill_attention(q, k_cache, v_cache, md.block_tables, md.query_start_loc,
+                                                md.seq_lens, layout.seqs, self.scale, out)  # fmt: skip
         return out

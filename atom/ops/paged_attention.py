@@ -73,25 +73,20 @@ def paged_attention(
     return out
 
 
-def paged_prefill_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    seqs: Sequence[int],
-    out: torch.Tensor,
-) -> None:
-    """``paged_attention`` of the sequences ``seqs`` into ``out``, through SDPA's fused kernels (flash attention in
-    bf16/fp16 on a GPU): k and v expanded to the query heads, the causal mask aligned to the last position (a
-    chunk after ``context_len`` cached tokens) instead of built, so no [query_len, seq_len] mask is read."""
+def paged_prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                                 seqs: Sequence[int], scale: float, out: torch.Tensor) -> None:  # fmt: skip
+    """Causal attention of the sequences ``seqs`` into their rows of ``out``, through SDPA's fused kernels (flash
+    attention in bf16/fp16 on a GPU), one sequence at a time: k and v expanded to the query heads, the causal mask
+    aligned to the last position (a chunk after its cached context) instead of built, so no [query_len, seq_len]
+    mask is read. Sequence b's queries are q's rows query_start_loc[b] .. query_start_loc[b + 1] - 1 (host lists,
+    as in a step's metadata). ``atom.ops.cuda.paged_prefill_attention`` takes the same arguments."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
-    starts = metadata.query_start_loc
     for i in seqs:
-        seq_len, start, end = metadata.seq_lens[i], starts[i], starts[i + 1]
+        seq_len, start, end = seq_lens[i], query_start_loc[i], query_start_loc[i + 1]
         if end == start:
             continue
-        table = metadata.block_tables[i]
+        table = block_tables[i]
         k, v = (gather_seq(cache, table, seq_len).to(q.dtype).repeat_interleave(heads // kv_heads, dim=1)
                 for cache in (k_cache, v_cache))  # fmt: skip
         mask = causal_lower_right(end - start, seq_len)  # query j sits at position seq_len - (end - start) + j

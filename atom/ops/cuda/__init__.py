@@ -14,6 +14,7 @@ links against torch's C++ ABI.
     mla_decode            MLA absorbed decode attention over the paged latent cache
     write_latent_cache    MLA cache rows [latent | k_rot] at slot_mapping
     paged_decode_attention  GQA decode attention of dense models over paged K and V caches
+    paged_prefill_attention  their prefill chunks' causal attention, every sequence of a step in one launch
     write_kv_cache        dense models' K and V cache rows at slot_mapping
     rotary_write_kv       neox rotary on q and k, the rotated k and v into the caches: one kernel
     sample_tokens         one token per logits row: temperature, top-k, top-p, min-p, exponential race
@@ -30,9 +31,10 @@ from atom.ops.cuda.kda import conv1d_prefill, conv1d_update, kda_decode
 from atom.ops.cuda.kda_prefill import kda_prefill
 from atom.ops.cuda.mla import mla_decode, write_latent_cache
 from atom.ops.cuda.norm import gated_rmsnorm
-from atom.ops.cuda.paged_attention import paged_decode_attention, rotary_write_kv, write_kv_cache
+from atom.ops.cuda.paged_attention import (paged_decode_attention, paged_prefill_attention, rotary_write_kv,
+                                          write_kv_cache)
 from atom.ops.cuda.sampling import sample_tokens
 
 __all__ = ["kernels_apply", "kda_decode", "kda_prefill", "conv1d_update", "conv1d_prefill", "gated_rmsnorm",
-           "mla_decode", "write_latent_cache", "paged_decode_attention", "write_kv_cache", "rotary_write_kv",
-           "sample_tokens"]
+           "mla_decode", "write_latent_cache", "paged_decode_attention", "paged_prefill_attention", "write_kv_cache",
+           "rotary_write_kv", "sample_tokens"]

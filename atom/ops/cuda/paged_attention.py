@@ -6,11 +6,15 @@ tokens: a row per token, its own seq_len and its sequence's block-table row repe
 ``write_kv_cache`` stores a step's keys and values at ``slot_mapping`` with ``write_latent_cache``'s
 kernel: a token's row of a K or V cache (kv_heads * head_dim values) is a latent row with no rope part.
 ``rotary_write_kv`` rotates q and k (neox rotary) and writes k and v in one kernel, for every step on a GPU.
+``paged_prefill_attention`` attends a step's prefill chunks (causal, each after its cached context) in one launch
+on tensor cores, where it applies (bf16/fp16, head_dim 64 or 128, NVIDIA); SDPA's kernels a sequence at a time
+elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -18,6 +22,7 @@ from atom.forward_context import upload
 from atom.ops.cuda._launch import C, device_guard, dtype_code, kernels_apply, num_sms, stream_of, wave_splits
 from atom.ops.cuda.mla import write_latent_cache
 from atom.ops.cuda.reference import paged_decode_attention_ref, rotary_write_kv_ref
+from atom.ops.paged_attention import paged_prefill_attention_sdpa
 
 # csrc/paged_attention.cu: a block serves up to 8 query heads of one kv head, and a split takes whole tiles of
 # 32 positions. How many blocks an SM holds (shared memory and registers) comes from the CUDA occupancy API.
@@ -106,6 +111,90 @@ def paged_decode_attention(
             o_part.data_ptr() if o_part is not None else 0, lse_part.data_ptr() if lse_part is not None else 0,
             rows, heads, kv_heads, dim, num_splits, stages, float(scale), dtype_code(dtype), dtype_code(out_dtype),
             stream_of(q.device),
+        )  # fmt: skip
+    return out
+
+
+# csrc/paged_attention.cu: a prefill block serves 64 (query, head) rows of one kv head, 64 // group queries.
+_PREFILL_ROWS = 64
+# Sequences with at least this many causal (query, key) pairs go through SDPA on their own: flash attention's
+# kernels do a long sequence's work about 2.8x faster than ours (509 against 182 TFLOP/s for one 8192-token
+# prompt at head_dim 128 on the H200), which outweighs SDPA's fixed cost (about 150 us a sequence) from about a
+# million pairs: 4 prompts of 2048 (2.1M pairs each) took 686 us through SDPA against 836 us, one chunk of 512
+# after 3584 (2.0M) 289 against 287 us at head_dim 128 and 132 against 203 us at 64 (GPU_NOTES, session 37).
+SDPA_PAIRS = 1 << 20
+
+
+def causal_pairs(query_len: int, seq_len: int) -> int:
+    """(query, key) pairs a chunk of query_len tokens at the end of seq_len attends."""
+    return query_len * (seq_len - query_len) + query_len * (query_len + 1) // 2
+
+
+def prefill_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill_attention`` runs its kernel on these tensors (else SDPA a sequence at a time)."""
+    heads, dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[2]
+    return (kernels_apply(q, k_cache) and group <= _PREFILL_ROWS and q.dtype == k_cache.dtype
+            and C().paged_prefill_supported(dim, dtype_code(q.dtype)))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)  # every layer of a step asks for the same plan
+def _prefill_plan(starts: tuple[int, ...], seq_lens: tuple[int, ...], seqs: tuple[int, ...], per_item: int,
+                  sdpa_pairs: int, device: torch.device) -> tuple[torch.Tensor, int, tuple[int, ...]]:  # fmt: skip
+    """The kernel's work items [n, 4] int32 on ``device`` (block-table row, first token row, queries, first
+    position), the ones that reach furthest first so that a step's longest items start in the first wave; their
+    count; and the sequences left to SDPA (``sdpa_pairs`` causal pairs or more)."""
+    items, long = [], []
+    for b in seqs:
+        start, end = starts[b], starts[b + 1]
+        if causal_pairs(end - start, seq_lens[b]) >= sdpa_pairs:
+            long.append(b)
+            continue
+        context = seq_lens[b] - (end - start)
+        items += [(b, t, min(per_item, end - t), context + t - start) for t in range(start, end, per_item)]
+    items.sort(key=lambda item: -(item[2] + item[3]))
+    return upload([x for item in items for x in item], torch.int32, device), len(items), tuple(long)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                            seqs: Sequence[int], scale: float, out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Causal attention of the sequences ``seqs`` of a step into their rows of ``out`` [T, H, D] (other rows are
+    left alone): sequence b's queries are q's rows query_start_loc[b] .. query_start_loc[b + 1] - 1, after
+    seq_lens[b] - (its query count) cached positions, and attend through block_tables row b (on the device).
+    query_start_loc and seq_lens are host lists, as in a step's metadata. The caches hold this step's K and V.
+    Sequences of ``SDPA_PAIRS`` or more causal pairs go through SDPA one at a time, the rest in one launch.
+    """
+    if not prefill_kernel_applies(q, k_cache):
+        paged_prefill_attention_sdpa(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seqs, scale, out)
+        return out
+    rows, heads, dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != dim or v_cache.shape != k_cache.shape or heads % kv_heads:
+        raise ValueError(f"paged_prefill_attention: q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("paged_prefill_attention: K and V caches need the same strides, head_dim contiguous")
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"paged_prefill_attention: out must be a contiguous, 16-byte aligned {q.dtype} "
+                         f"{tuple(q.shape)}")
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        q = q.clone(memory_format=torch.contiguous_format)
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    per_item = _PREFILL_ROWS // (heads // kv_heads)
+    work, num_work, long = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), per_item, SDPA_PAIRS,
+                                         q.device)  # fmt: skip
+    if long:
+        paged_prefill_attention_sdpa(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, long, scale, out)
+    if num_work == 0:
+        return out
+    with device_guard(q.device):
+        C().paged_prefill_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), block_size, block_tables.data_ptr(), block_tables.stride(0),
+            dtype_code(block_tables.dtype), work.data_ptr(), num_work, per_item, out.data_ptr(), heads, kv_heads, dim,
+            float(scale), dtype_code(q.dtype), stream_of(q.device),
         )  # fmt: skip
     return out
 
