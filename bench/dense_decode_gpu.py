@@ -13,8 +13,13 @@ would be subtracted from at batch 64 (GPU_NOTES.md, session 36). The roofline is
 must read and write (the weights but the embedding table, and each sequence's K and V) over the copy
 ceiling measured here.
 
-``--mixed`` also times steps that mix decode rows with prefill chunks: their decode rows through the
-kernel (as now) against every row through the torch reference (before session 35), in the same process.
+``--mixed`` also times steps that mix decode rows with prefill chunks: their decode rows through
+``paged_decode_attention`` and their chunks through ``paged_prefill_attention`` (as now) against every row
+through the torch reference (before session 35), in the same process.
+
+``--prefill`` also times prefill-only runs (every prompt with one new token, in one step): the step's prefill
+chunks through ``paged_prefill_attention``'s kernel (as now) against SDPA a sequence at a time (before session 37),
+in the same process.
 
 ``--reference-too`` also runs ATOM the way a dense model ran before ``paged_decode_attention``
 (session 34): its attention through the torch reference (a loop over the sequences) and no CUDA
@@ -97,6 +102,39 @@ def mixed_steps_on_reference():
         Attention._attend_kernels = saved
 
 
+@contextlib.contextmanager
+def prefill_on_sdpa():
+    """Prefill chunks through SDPA one sequence at a time, as before ``paged_prefill_attention``'s kernel."""
+    import atom.ops.cuda.paged_attention as paged
+
+    saved = paged.prefill_kernel_applies
+    paged.prefill_kernel_applies = lambda q, k_cache: False
+    try:
+        yield
+    finally:
+        paged.prefill_kernel_applies = saved
+
+
+def prefill_seconds(path: str, batch: int, prompt_len: int, repeats: int) -> float:
+    """Wall time of one generate of ``batch`` prompts of ``prompt_len`` tokens, one new token each, all prompts
+    in one step: the batch's time to first token."""
+    from atom import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, SHAPE["vocab_size"], (batch, prompt_len), generator=gen).tolist()
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=prompt_len + 16,
+              max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False,
+              async_scheduling=True)  # fmt: skip
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
+    run()
+    seconds = min(timed(run) for _ in range(repeats))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def mixed_seconds(path: str, decoders: int, prefills: int, prompt_len: int, chunk: int, new_tokens: int,
                   repeats: int) -> float:  # fmt: skip
     """Wall time of one generate: ``decoders`` 16-token prompts decode ``new_tokens`` each while ``prefills``
@@ -130,7 +168,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="runs of each length, both engines; the fastest counts")
     p.add_argument("--reference-too", action="store_true", help="also ATOM's former dense path (one run each)")
     p.add_argument("--mixed", action="store_true",
-                   help="also steps mixing decode rows with prefill chunks: kernel for the decode rows vs all reference")
+                   help="also steps mixing decode rows with prefill chunks: the kernels vs all rows on the reference")
+    p.add_argument("--prefill", action="store_true",
+                   help="also prefill-only runs: the prefill kernel vs SDPA a sequence at a time")
     args = p.parse_args()
     ceiling = copy_gbps()
     model = make_model(args.ckpt)
@@ -157,8 +197,15 @@ def main() -> None:
         now = mixed_seconds(args.ckpt, **shape)
         with mixed_steps_on_reference():
             before = mixed_seconds(args.ckpt, **shape)
-        print(f"mixed steps ({shape}): decode rows on the kernel {now:.3f} s, all rows on the reference "
-              f"{before:.3f} s: {before / now:.2f}x", flush=True)
+        print(f"mixed steps ({shape}): decode rows and prefill chunks on the kernels {now:.3f} s, all rows on the "
+              f"reference {before:.3f} s: {before / now:.2f}x", flush=True)
+    if args.prefill:
+        for batch, prompt_len in ((64, 64), (64, 256), (16, 512), (4, 2048)):
+            now = prefill_seconds(args.ckpt, batch, prompt_len, args.repeats)
+            with prefill_on_sdpa():
+                before = prefill_seconds(args.ckpt, batch, prompt_len, args.repeats)
+            print(f"prefill {batch} x {prompt_len} tokens: {1e3 * now:.1f} ms, SDPA a sequence at a time "
+                  f"{1e3 * before:.1f} ms: {before / now:.2f}x", flush=True)
     print(f"\n{'batch':>5} {'atom tok/s':>11} {'former':>9} {'hf tok/s':>9} {'atom/hf':>8} {'atom/former':>11} "
           f"{'roofline':>9} {'atom/roof':>9}")
     for batch, atom, before, hf, roof in rows:
