@@ -118,19 +118,29 @@ def prefill_on_sdpa():
 def prefill_seconds(path: str, batch: int, prompt_len: int, repeats: int) -> float:
     """Wall time of one generate of ``batch`` prompts of ``prompt_len`` tokens, one new token each, all prompts
     in one step: the batch's time to first token."""
-    from atom import LLM, SamplingParams
+    from atom import SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(3, SHAPE["vocab_size"], (batch, prompt_len), generator=gen).tolist()
-    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=prompt_len + 16,
-              max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False,
-              async_scheduling=True)  # fmt: skip
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-    run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
-    run()
-    seconds = min(timed(run) for _ in range(repeats))
-    del llm
-    gc.collect()
+    return fastest_generate(path, [{"prompt_token_ids": p} for p in prompts], params, repeats, max_num_seqs=batch,
+                            max_model_len=prompt_len + 16, max_num_batched_tokens=batch * prompt_len)  # fmt: skip
+
+
+def fastest_generate(path: str, requests: list, params, repeats: int, **engine_args) -> float:
+    """The fastest of ``repeats`` timed ``generate(requests, params)`` on a new bf16 engine (prefix caching off,
+    overlap on) after one warm-up; the engine's memory is given back before returning."""
+    from atom import LLM
+
+    def time_engine() -> float:
+        llm = LLM(path, dtype="bfloat16", device="cuda", enable_prefix_caching=False, async_scheduling=True,
+                  **engine_args)  # fmt: skip
+        run = lambda: llm.generate(requests, params, use_tqdm=False)  # noqa: E731
+        run()
+        return min(timed(run) for _ in range(repeats))
+
+    seconds = time_engine()
+    gc.collect()  # the engine has no reference left once time_engine returns
     torch.cuda.empty_cache()
     return seconds
 
@@ -139,24 +149,16 @@ def mixed_seconds(path: str, decoders: int, prefills: int, prompt_len: int, chun
                   repeats: int) -> float:  # fmt: skip
     """Wall time of one generate: ``decoders`` 16-token prompts decode ``new_tokens`` each while ``prefills``
     prompts of ``prompt_len`` (one new token each) prefill in ``chunk``-token steps beside them."""
-    from atom import LLM, SamplingParams
+    from atom import SamplingParams
 
     gen = torch.Generator().manual_seed(1)
     short = torch.randint(3, SHAPE["vocab_size"], (decoders, 16), generator=gen).tolist()
     long = torch.randint(3, SHAPE["vocab_size"], (prefills, prompt_len), generator=gen).tolist()
-    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=decoders + prefills,
-              max_model_len=prompt_len + new_tokens + 16, max_num_batched_tokens=chunk, enable_prefix_caching=False,
-              async_scheduling=True)  # fmt: skip
-    requests = [{"prompt_token_ids": p} for p in short + long]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)] * decoders
     params += [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)] * prefills
-    run = lambda: llm.generate(requests, params, use_tqdm=False)  # noqa: E731
-    run()
-    seconds = min(timed(run) for _ in range(repeats))
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    return seconds
+    return fastest_generate(path, [{"prompt_token_ids": p} for p in short + long], params, repeats,
+                            max_num_seqs=decoders + prefills, max_model_len=prompt_len + new_tokens + 16,
+                            max_num_batched_tokens=chunk)  # fmt: skip
 
 
 def main() -> None:

@@ -191,8 +191,8 @@ const char* write_latent_cache(uintptr_t cache, int64_t block_stride, int64_t ro
 // its first seq_lens[t] positions through block_tables row t (int32/int64, row stride in elements). out
 // [rows, heads, head_dim] in out_dtype (float32 or the cache's dtype); num_splits > 1 needs o_part [rows,
 // splits, heads, head_dim] and lse_part [rows, splits, heads] (float32). A row of length 0 gives zeros.
-// stages: how many tiles of K and V the kernel's shared-memory ring holds (1..3; 0: two, or one where two do not
-// fit).
+// stages: how many tiles of K and V the kernel's shared-memory ring holds (1..3; 0: two up to head_dim 128, else
+// one, or one where two do not fit).
 const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
                                    int64_t token_stride, int64_t head_stride, int64_t block_size,
                                    uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,

@@ -1,4 +1,4 @@
-// Paged GQA decode attention for dense models (Llama, Qwen3): one query row per token over the
+// Paged GQA attention for dense models (Llama, Qwen3). Decode: one query row per token over the
 // first seq_lens[t] cached positions of its sequence.
 //
 //   K and V caches [num_blocks, block_size, kv_heads, head_dim]; query head h reads kv head
@@ -20,6 +20,9 @@
 //                            w + 4), a position a lane; thread (head, 4 columns) then sums the values.
 // Long sequences are split over several blocks (flash-decoding) and the splits merged by their
 // log-sum-exp (paged_combine_kernel). head_dim <= 256.
+//
+// Prefill chunks (paged_prefill_mma_kernel, below): a block attends 64 (query, head) rows of a chunk, causal
+// after its cached context, on the same ring and tensor cores; bf16/fp16 rows of 64 or 128 on NVIDIA.
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -426,6 +429,19 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
   }
 }
 
+// o[n-tile] += P V over 16 positions for kNTiles n-tiles of 8 columns: P as the A fragment pa, V's 16 rows from
+// v_ptr (this lane's row and 8 columns, as ldmatrix.trans takes them), 16 columns an ldmatrix.
+template <typename T, int kNTiles>
+__device__ __forceinline__ void add_pv(float (&o)[kNTiles][4], const uint32_t (&pa)[4], const T* v_ptr) {
+#pragma unroll
+  for (int np = 0; np < kNTiles / 2; ++np) {
+    uint32_t b[4];
+    ptx::ldmatrix_x4_trans(b, v_ptr + np * 16);
+    mma16816<T>(o[2 * np], pa, b[0], b[1]);
+    mma16816<T>(o[2 * np + 1], pa, b[2], b[3]);
+  }
+}
+
 // Tensor cores, bf16 or fp16, head_dim kDim (64, 128 or 256), 16-byte aligned rows. Grid as paged_decode_kernel,
 // paged_smem_bytes(..., mma = true) of shared memory. mma.sync m16n8k16 fragments (g = lane / 4, t4 = lane % 4):
 // A rows g, g + 8 and columns 2 t4 (+1), 2 t4 + 8 (+9); B column g, rows 2 t4 (+1), 2 t4 + 8 (+9); C rows g, g + 8,
@@ -508,14 +524,7 @@ __global__ void __launch_bounds__(kThreads, kDim > 128 ? 4 : 5) paged_decode_mma
 
     // O += P V: P (rows g; rows g + 8 zero) straight from the scores' registers, V's rows by ldmatrix.trans.
     const uint32_t pa[4] = {pack2<T>(e[0][0], e[0][1]), 0u, pack2<T>(e[1][0], e[1][1]), 0u};
-    const T* v_ptr = v_s + (n0 + (lane & 15)) * rs + c0 + (lane >> 4) * 8;
-#pragma unroll
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4_trans(b, v_ptr + np * 16);
-      mma16816<T>(o[2 * np], pa, b[0], b[1]);
-      mma16816<T>(o[2 * np + 1], pa, b[2], b[3]);
-    }
+    add_pv<T>(o, pa, v_s + (n0 + (lane & 15)) * rs + c0 + (lane >> 4) * 8);
     ring.keep(t + ring.stages, ahead);
   }
 
@@ -689,14 +698,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedPar
         const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
                                 pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                 pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-        const T* v_ptr = v_s + (kk * 16 + (lane & 15)) * rs + (lane >> 4) * 8;
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-          uint32_t b[4];
-          ptx::ldmatrix_x4_trans(b, v_ptr + np * 16);
-          mma16816<T>(o[2 * np], pa, b[0], b[1]);
-          mma16816<T>(o[2 * np + 1], pa, b[2], b[3]);
-        }
+        add_pv<T>(o, pa, v_s + (kk * 16 + (lane & 15)) * rs + (lane >> 4) * 8);
       }
     }
     ring.keep(t + ring.stages, ahead);

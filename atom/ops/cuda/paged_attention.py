@@ -66,8 +66,8 @@ def paged_decode_attention(
     is uploaded here). max_seq_len (host int, an upper bound is fine) sizes the split of long rows
     over SMs without a host sync; by default the block table's capacity. out_dtype: the cache's dtype
     (default) or float32; or ``out`` (contiguous [T, H, D], its dtype wins) is written. stages: tiles of K and V
-    in the kernel's shared-memory ring, 1-3 (0: two, or one where two do not fit; the others are there to test and
-    measure).
+    in the kernel's shared-memory ring, 1-3 (0: two up to head_dim 128, else one, or one where two do not fit; the
+    others are there to test and measure).
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
