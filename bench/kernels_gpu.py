@@ -237,9 +237,12 @@ def run_prefill(sizes: list[tuple[int, int]]) -> list[dict]:
 def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, rank: int = 512, rope: int = 64,
                       nope: int = 128, v_dim: int = 128) -> dict:
     """One MLA layer's attention for a prefill step on the GPU (Kimi-Linear's sizes, bf16, block size 16):
-    the expanded form the layer runs now (``mla_prefill``: keys and values per head, torch's fused
-    attention) against the absorbed torch reference it ran before (``mla_attention`` with W_UK and W_UV,
-    fp32 scores), side by side. ``seqs`` sequences of ``new`` tokens each, after ``context`` cached ones."""
+    the expanded form the layer runs now (``mla_prefill``: keys and values per head, the step's shorter sequences
+    in one kernel launch, the others through torch's fused attention), the same form with every sequence through
+    torch's fused attention one at a time (before session 37), and the absorbed torch reference (``mla_attention``
+    with W_UK and W_UV, fp32 scores), side by side. ``seqs`` sequences of ``new`` tokens each, after ``context``
+    cached ones."""
+    import atom.ops.mla as mla_ops
     from atom.forward_context import AttentionMetadata
     from atom.ops import split_decode_prefill
     from atom.ops.mla import mla_attention, mla_prefill
@@ -265,21 +268,32 @@ def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, ra
         mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
         return out
 
+    def expanded_sdpa():
+        saved, mla_ops.expanded_kernel_applies = mla_ops.expanded_kernel_applies, lambda q, v_dim: False
+        try:
+            return expanded()
+        finally:
+            mla_ops.expanded_kernel_applies = saved
+
     def absorbed():
         q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
         latent = mla_attention(q_latent, q[..., nope:], cache, md, layout, scale)
         return torch.einsum("thr,hvr->thv", latent.to(bf16), w_uv)
 
-    err = ((expanded().float() - absorbed().float()).norm() / absorbed().float().norm()).item()
-    new_us, old_us = time_us(expanded, reps=10, warmup=2), time_us(absorbed, reps=3, warmup=1)
+    reference = absorbed().float()
+    err = ((expanded().float() - reference).norm() / reference.norm()).item()
+    sdpa_err = ((expanded_sdpa().float() - reference).norm() / reference.norm()).item()
+    new_us, sdpa_us = time_us(expanded, reps=10, warmup=2), time_us(expanded_sdpa, reps=10, warmup=2)
+    old_us = time_us(absorbed, reps=3, warmup=1)
     # causal (query, key) pairs, each nope + rope + v multiply-adds a head in the expanded form
     pairs = seqs * (new * context + new * (new + 1) // 2)
     tflops = 2 * pairs * heads * (nope + rope + v_dim) / new_us / 1e6
     name = f"mla_prefill {seqs}x{new} ctx={context} H={heads}"
-    print(f"{name}: expanded {new_us:.0f} us ({tflops:.0f} TFLOP/s), absorbed reference {old_us:.0f} us: "
-          f"{old_us / new_us:.1f}x (outputs differ by {err:.1e})", flush=True)  # fmt: skip
+    print(f"{name}: expanded {new_us:.0f} us ({tflops:.0f} TFLOP/s), expanded through SDPA a sequence at a time "
+          f"{sdpa_us:.0f} us ({sdpa_us / new_us:.2f}x), absorbed reference {old_us:.0f} us ({old_us / new_us:.1f}x); "
+          f"outputs differ from the reference by {err:.1e} ({sdpa_err:.1e} through SDPA)", flush=True)  # fmt: skip
     return {"op": name, "bytes": cache.numel() * 2 + (q.numel() + out.numel()) * 2, "us": new_us, "tflops": tflops,
-            "baseline_us": old_us}
+            "sdpa_us": sdpa_us, "baseline_us": old_us}
 
 
 def bench_paged_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, kv_heads: int = 8,
@@ -843,7 +857,8 @@ def main() -> None:
             n, t, c, dim=d)) for n, t, c in ((64, 64, 0), (16, 512, 0), (4, 2048, 0), (1, 8192, 0), (1, 512, 3584),
                                              (16, 32, 1000))]  # fmt: skip
     cases += [(f"mla_prefill {n}x{t} ctx={c}", lambda n=n, t=t, c=c: bench_mla_prefill(n, t, c))
-              for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144))]  # fmt: skip
+              for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144), (64, 64, 0),
+                              (16, 32, 1000))]  # fmt: skip
     cases += [(f"conv1d_update B={b}", lambda b=b: bench_conv(C, b)) for b in (1, 64)]
     cases += [(f"conv1d_prefill {n}x{t}", lambda n=n, t=t: bench_conv_prefill(n, t)) for n, t in ((1, 4000), (32, 250))]
     cases += [(f"kda_gate T={t}", lambda t=t: bench_kda_gate(C, t)) for t in (64, 1024, 8000)]

@@ -216,21 +216,23 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride, int64_t token_stride,
          int64_t head_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,
          int block_table_dtype, uintptr_t work, int64_t num_work, int64_t queries_per_item, uintptr_t out,
-         int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int dtype, uintptr_t stream) {
+         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t v_head_dim, double scale, int dtype,
+         uintptr_t stream) {
         check(atom::paged_prefill_attention(q, k_cache, v_cache, block_stride, token_stride, head_stride, block_size,
                                             block_tables, block_table_stride, block_table_dtype, work, num_work,
-                                            queries_per_item, out, heads, kv_heads, head_dim, scale, dtype, stream));
+                                            queries_per_item, out, heads, kv_heads, head_dim, v_head_dim, scale,
+                                            dtype, stream));
       },
       "Causal attention of prefill chunks over paged K and V caches (tensor cores)", py::arg("q"),
       py::arg("k_cache"), py::arg("v_cache"), py::arg("block_stride"), py::arg("token_stride"),
       py::arg("head_stride"), py::arg("block_size"), py::arg("block_tables"), py::arg("block_table_stride"),
       py::arg("block_table_dtype"), py::arg("work"), py::arg("num_work"), py::arg("queries_per_item"),
-      py::arg("out"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("scale"),
-      py::arg("dtype"), py::arg("stream"));
+      py::arg("out"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("v_head_dim"),
+      py::arg("scale"), py::arg("dtype"), py::arg("stream"));
 
   m.def("paged_prefill_supported", &atom::paged_prefill_supported,
-        "Whether paged_prefill_attention takes this head_dim and dtype in this build", py::arg("head_dim"),
-        py::arg("dtype"));
+        "Whether paged_prefill_attention takes these row sizes and dtype in this build", py::arg("head_dim"),
+        py::arg("v_head_dim"), py::arg("dtype"));
 
   m.def("paged_decode_blocks_per_sm", &atom::paged_decode_blocks_per_sm,
         "Blocks of paged_decode_attention's kernel an SM runs at once (0: sizes it does not take)",

@@ -206,19 +206,22 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
 int paged_decode_blocks_per_sm(int64_t head_dim, int64_t heads_per_block, int dtype);
 
 // paged_prefill_attention: causal attention of prefill chunks over the same caches (tensor cores; see
-// paged_prefill_supported). q and out [tokens, heads, head_dim] contiguous; work [num_work, 4] int32 items
-// (block-table row, first token row, queries <= queries_per_item, first query's position): query i of an item
-// is token row + i and attends positions 0 .. position + i of its sequence. queries_per_item * (heads / kv_heads)
-// <= 64. Rows no item names are left alone.
+// paged_prefill_supported). q [tokens, heads, head_dim] and out [tokens, heads, v_head_dim] contiguous; K rows of
+// head_dim and V rows of v_head_dim at the same offsets from k_cache and v_cache, each V row readable for head_dim
+// elements (MLA's expanded form lays a row out as [v | k_nope | k_rope], v_cache at v, k_cache at k_nope). work
+// [num_work, 4] int32 items (block-table row, first token row, queries <= queries_per_item, first query's
+// position): query i of an item is token row + i and attends positions 0 .. position + i of its sequence.
+// queries_per_item * (heads / kv_heads) <= 64. Rows no item names are left alone.
 const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
                                     int64_t token_stride, int64_t head_stride, int64_t block_size,
                                     uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
                                     uintptr_t work, int64_t num_work, int64_t queries_per_item, uintptr_t out,
-                                    int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int dtype,
-                                    uintptr_t stream);
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t v_head_dim,
+                                    double scale, int dtype, uintptr_t stream);
 
-// Whether this build's paged_prefill_attention takes head_dim and dtype: bf16/fp16 at 64 or 128, on NVIDIA.
-bool paged_prefill_supported(int64_t head_dim, int dtype);
+// Whether this build's paged_prefill_attention takes these sizes and dtype: bf16/fp16 q/k and v rows of 64/64,
+// 128/128 (dense models) or 192/128 (MLA's expanded form), on NVIDIA.
+bool paged_prefill_supported(int64_t head_dim, int64_t v_head_dim, int dtype);
 
 // rotary_write_kv: neox rotary embedding of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows
 // at the given strides, heads contiguous within a row) by positions [tokens] (int32/int64) and inv_freq

@@ -589,12 +589,14 @@ __host__ __device__ constexpr int prefill_smem_bytes(int dim, int stages) {
          stages * kTile * static_cast<int>(sizeof(int64_t));
 }
 
-// grid (work items, kv_heads), kThreads threads, prefill_smem_bytes of shared memory; q and out [tokens, heads,
-// kDim] contiguous and 16-byte aligned.
-template <typename T, int kDim>
+// grid (work items, kv_heads), kThreads threads, prefill_smem_bytes of shared memory; q [tokens, heads, kDim] and
+// out [tokens, heads, kDimV] contiguous and 16-byte aligned. K rows of kDim; V rows of kDimV (MLA's expanded form:
+// 192 and 128; dense models: equal), each read as kDim elements from its start (the ring copies K and V alike), of
+// which the first kDimV are used.
+template <typename T, int kDim, int kDimV>
 __global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedParams p, const int4* work) {
-  static_assert(kDim % 16 == 0 && kDim <= 128, "o's accumulators: kDim / 2 registers a thread");
-  constexpr int kKSteps = kDim / 16, kNTiles = kDim / 8, kPer16 = KvRing<T>::kPer16, kPieces = kDim / kPer16;
+  static_assert(kDim % 16 == 0 && kDimV % 16 == 0 && kDimV <= 128, "o's accumulators: kDimV / 2 registers a thread");
+  constexpr int kKSteps = kDim / 16, kNTiles = kDimV / 8, kPer16 = KvRing<T>::kPer16, kPieces = kDim / kPer16;
   pdl_enter();
   const int4 job = work[blockIdx.x];  // x: block-table row, y: first token row, z: queries, w: first position
   const int group = p.heads / p.kv_heads;
@@ -712,7 +714,8 @@ __global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedPar
     if (last[h] < 0) continue;
     const int r = warp * kMmaRows + g + 8 * h;
     const float inv = 1.f / l[h];
-    T* out = static_cast<T*>(p.out) + ((static_cast<int64_t>(job.y) + r / group) * p.heads + w.h0 + r % group) * kDim;
+    T* out =
+        static_cast<T*>(p.out) + ((static_cast<int64_t>(job.y) + r / group) * p.heads + w.h0 + r % group) * kDimV;
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       const int col = nt * 8 + 2 * t4;
@@ -820,8 +823,9 @@ template <typename T>
 const char* launch_prefill(PagedParams p, const int4* work, int64_t num_work, cudaStream_t stream) {
   p.stages = kDefaultStages;
   const int smem = prefill_smem_bytes<T>(p.dim, p.stages);
-  void (*kernel)(PagedParams, const int4*) =
-      p.dim == 64 ? paged_prefill_mma_kernel<T, 64> : paged_prefill_mma_kernel<T, 128>;
+  void (*kernel)(PagedParams, const int4*) = p.dim == 64    ? paged_prefill_mma_kernel<T, 64, 64>
+                                               : p.dim == 128 ? paged_prefill_mma_kernel<T, 128, 128>
+                                                              : paged_prefill_mma_kernel<T, 192, 128>;  // v: 128
   if (const cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return cudaGetErrorString(err);
   const dim3 grid(static_cast<unsigned>(num_work), static_cast<unsigned>(p.kv_heads));
   launch_kernel(kernel, grid, kThreads, static_cast<size_t>(smem), stream, p, work);
@@ -1011,8 +1015,8 @@ const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_
                                     int64_t token_stride, int64_t head_stride, int64_t block_size,
                                     uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
                                     uintptr_t work, int64_t num_work, int64_t queries_per_item, uintptr_t out,
-                                    int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int dtype,
-                                    uintptr_t stream) {
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t v_head_dim,
+                                    double scale, int dtype, uintptr_t stream) {
   if (num_work < 0 || heads < 1 || kv_heads < 1 || block_size < 1 || heads % kv_heads != 0)
     return "paged_prefill_attention: needs num_work >= 0, block_size >= 1 and heads a multiple of kv_heads >= 1";
   if (queries_per_item < 1 || queries_per_item * (heads / kv_heads) > kPrefillRows)
@@ -1020,8 +1024,8 @@ const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_
   if (block_table_dtype != kInt32 && block_table_dtype != kInt64)
     return "paged_prefill_attention: block_tables must be int32 or int64";
   if (num_work > INT32_MAX || kv_heads > 65535) return "paged_prefill_attention: too many work items or kv heads";
-  if (!paged_prefill_supported(head_dim, dtype))
-    return "paged_prefill_attention: takes bf16/fp16 rows of 64 or 128 on NVIDIA GPUs";
+  if (!paged_prefill_supported(head_dim, v_head_dim, dtype))
+    return "paged_prefill_attention: takes bf16/fp16 q/k and v rows of 64/64, 128/128 or 192/128 on NVIDIA GPUs";
   const auto aligned = [](uintptr_t ptr) { return ptr % 16 == 0; };
   if (!aligned(q) || !aligned(out) || !aligned(k_cache) || !aligned(v_cache) || block_stride % 8 != 0 ||
       token_stride % 8 != 0 || head_stride % 8 != 0)
@@ -1052,15 +1056,18 @@ const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_
                             : launch_prefill<fp16_t>(p, items, num_work, st);
 #else
   (void)stream;
-  return "paged_prefill_attention: takes bf16/fp16 rows of 64 or 128 on NVIDIA GPUs";
+  return "paged_prefill_attention: needs an NVIDIA GPU";
 #endif
 }
 
-bool paged_prefill_supported(int64_t head_dim, int dtype) {
+bool paged_prefill_supported(int64_t head_dim, int64_t v_head_dim, int dtype) {
 #ifdef ATOM_PAGED_MMA
-  return (head_dim == 64 || head_dim == 128) && (dtype == kBFloat16 || dtype == kFloat16);
+  const bool sizes = (head_dim == v_head_dim && (head_dim == 64 || head_dim == 128)) ||
+                     (head_dim == 192 && v_head_dim == 128);
+  return sizes && (dtype == kBFloat16 || dtype == kFloat16);
 #else
   (void)head_dim;
+  (void)v_head_dim;
   (void)dtype;
   return false;
 #endif

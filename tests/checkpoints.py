@@ -56,7 +56,9 @@ KIMI_VARIANTS = {
 }
 
 
-def make_kimi_checkpoint(path: str, variant: str = "kda_mla", tokenizer: bool = True, seed: int = 0) -> str:
+def make_kimi_checkpoint(path: str, variant: str = "kda_mla", tokenizer: bool = True, seed: int = 0,
+                         **overrides) -> str:  # fmt: skip
+    """A random Kimi-Linear checkpoint of ``variant``; ``overrides`` replace config fields (e.g. MLA's head sizes)."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     kw = dict(
@@ -66,6 +68,7 @@ def make_kimi_checkpoint(path: str, variant: str = "kda_mla", tokenizer: bool = 
         routed_scaling_factor=1.5, tie_word_embeddings=False,
     )
     kw.update(KIMI_VARIANTS[variant])
+    kw.update(overrides)
     torch.manual_seed(seed)
     config = KimiLinearConfig(**kw)
     model = KimiLinearForCausalLM(config).eval()

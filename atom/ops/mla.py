@@ -13,12 +13,16 @@ maps to per-head values with W_UV.
 A prefill's tokens each read the same keys, so expanding the cache rows once
 per head is cheaper there: ``mla_prefill`` computes k_nope and v from the rows
 with kv_b_proj (as transformers does), appends k_rot to every head's key, and
-runs torch's fused attention over them; per (query, key) pair that is
-nope + rope + v multiply-adds a head instead of 2 r + rope.
+attends over them: per (query, key) pair that is nope + rope + v multiply-adds
+a head instead of 2 r + rope. On a GPU in bf16/fp16 with Kimi-Linear's sizes
+(nope + rope = 192, v = 128) one kernel launch attends the step's shorter
+sequences (``atom.ops.cuda.expanded_prefill_attention``); torch's fused
+attention takes the others, one sequence at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -27,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom.forward_context import AttentionMetadata
 from atom.ops import PaddedLayout
+from atom.ops.cuda.paged_attention import expanded_kernel_applies, expanded_prefill_attention
 from atom.ops.paged_attention import gather_seq
 
 
@@ -107,19 +112,28 @@ def mla_prefill(
     parts = [gather_seq(latent_cache, md.block_tables[b], n) for b, n in zip(seqs, lens)]
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum of lens, r + rope]
     kv = F.linear(rows[:, :rank], kv_b_weight).view(-1, heads, nope + v_dim)
-    k = torch.cat([kv[..., :nope], rows[:, None, rank:].expand(-1, heads, rows.shape[-1] - rank)], dim=-1)
-    starts, first = md.query_start_loc, 0
+    k_rot = rows[:, None, rank:].expand(-1, heads, rows.shape[-1] - rank)
+    firsts = [0] * md.num_seqs  # sequence b's first row in rows
+    for b, first in zip(seqs, itertools.accumulate([0] + lens)):
+        firsts[b] = first
+    if expanded_kernel_applies(q, v_dim):
+        expanded = torch.cat([kv[..., nope:], kv[..., :nope], k_rot], dim=-1)  # a head: [v | k_nope | k_rot]
+        k, v = expanded[..., v_dim:], expanded[..., :v_dim]
+        seqs = expanded_prefill_attention(q, expanded, firsts, md.query_start_loc, md.seq_lens, seqs, scale, out)
+    else:
+        k, v = torch.cat([kv[..., :nope], k_rot], dim=-1), kv[..., nope:]
+    starts = md.query_start_loc
     with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
-        for b, length in zip(seqs, lens):
-            start, stop, keys = starts[b], starts[b + 1], slice(first, first + length)
-            first += length
+        for b in seqs:  # the sequences the kernel left, or all of them
+            start, stop, keys = starts[b], starts[b + 1], slice(firsts[b], firsts[b] + md.seq_lens[b])
             mask = None  # a fresh prompt: plain causal
             if md.context_lens[b]:  # query i sits at context + i and sees rows 0 .. context + i
-                mask = torch.ones(stop - start, length, dtype=torch.bool, device=q.device).tril(md.context_lens[b])
+                mask = torch.ones(stop - start, md.seq_lens[b], dtype=torch.bool, device=q.device).tril(
+                    md.context_lens[b])  # fmt: skip
             attn = F.scaled_dot_product_attention(
                 q[start:stop].transpose(0, 1).unsqueeze(0),
                 k[keys].transpose(0, 1).unsqueeze(0),
-                kv[keys, :, nope:].transpose(0, 1).unsqueeze(0),
+                v[keys].transpose(0, 1).unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=scale,

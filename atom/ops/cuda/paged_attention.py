@@ -135,7 +135,7 @@ def prefill_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[2]
     return (kernels_apply(q, k_cache) and group <= _PREFILL_ROWS and q.dtype == k_cache.dtype
-            and C().paged_prefill_supported(dim, dtype_code(q.dtype)))  # fmt: skip
+            and C().paged_prefill_supported(dim, dim, dtype_code(q.dtype)))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)  # every layer of a step asks for the same plan
@@ -187,16 +187,65 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                          q.device)  # fmt: skip
     if long:
         paged_prefill_attention_sdpa(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, long, scale, out)
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    _launch_prefill(q, k_cache.data_ptr(), v_cache.data_ptr(), strides, block_size, block_tables, work, num_work,
+                    per_item, out, kv_heads, scale)  # fmt: skip
+    return out
+
+
+def _launch_prefill(q: torch.Tensor, k_ptr: int, v_ptr: int, strides: tuple[int, int, int], block_size: int,
+                    block_tables: torch.Tensor, work: torch.Tensor, num_work: int, per_item: int, out: torch.Tensor,
+                    kv_heads: int, scale: float) -> None:  # fmt: skip
+    """csrc's paged_prefill_attention over K rows at k_ptr and V rows at v_ptr (strides in elements: block, token,
+    kv head); q [T, H, Dqk] and out [T, H, Dv] contiguous."""
     if num_work == 0:
-        return out
+        return
     with device_guard(q.device):
         C().paged_prefill_attention(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), block_size, block_tables.data_ptr(), block_tables.stride(0),
-            dtype_code(block_tables.dtype), work.data_ptr(), num_work, per_item, out.data_ptr(), heads, kv_heads, dim,
-            float(scale), dtype_code(q.dtype), stream_of(q.device),
+            q.data_ptr(), k_ptr, v_ptr, *strides, block_size, block_tables.data_ptr(), block_tables.stride(0),
+            dtype_code(block_tables.dtype), work.data_ptr(), num_work, per_item, out.data_ptr(), q.shape[1], kv_heads,
+            q.shape[2], out.shape[2], float(scale), dtype_code(q.dtype), stream_of(q.device),
         )  # fmt: skip
-    return out
+
+
+# MLA's expanded rows as the kernel reads them: one "block" a sequence (its first row's index in the block table), so
+# that a position's row is first + position.
+_WHOLE_SEQUENCE = 1 << 30
+
+
+def expanded_kernel_applies(q: torch.Tensor, v_dim: int) -> bool:
+    """Whether ``expanded_prefill_attention`` runs its kernel for MLA queries q [T, H, nope + rope] and values of
+    v_dim (bf16/fp16, 192 and 128 as in Kimi-Linear and DeepSeek, NVIDIA)."""
+    return kernels_apply(q) and C().paged_prefill_supported(q.shape[2], v_dim, dtype_code(q.dtype))
+
+
+def expanded_prefill_attention(q: torch.Tensor, rows: torch.Tensor, firsts: Sequence[int],
+                               query_start_loc: Sequence[int], seq_lens: Sequence[int], seqs: Sequence[int],
+                               scale: float, out: torch.Tensor) -> tuple[int, ...]:  # fmt: skip
+    """MLA prefill's causal attention over its expanded keys and values, every short sequence of ``seqs`` in one
+    launch; returns the sequences left to the caller (``SDPA_PAIRS`` causal pairs or more).
+
+    q [T, H, nope + rope] (the step's queries), out [T, H, v]; rows [P, H, v + nope + rope]: each head's value,
+    then its key, for every cached and new row of the sequences, sequence b's seq_lens[b] rows from rows[firsts[b]]
+    (firsts: one entry per sequence of the step; only those of ``seqs`` are read). Queries as in
+    ``paged_prefill_attention``.
+    """
+    heads, qk_dim, v_dim = q.shape[1], q.shape[2], out.shape[2]
+    if rows.shape[1:] != (heads, v_dim + qk_dim) or not rows.is_contiguous() or rows.data_ptr() % 16:
+        raise ValueError(f"expanded_prefill_attention: rows {tuple(rows.shape)} must be contiguous [P, {heads}, "
+                         f"{v_dim + qk_dim}], 16-byte aligned")
+    if out.shape[:2] != q.shape[:2] or out.dtype != q.dtype or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"expanded_prefill_attention: out must be a contiguous, 16-byte aligned {q.dtype} "
+                         f"[{q.shape[0]}, {heads}, v]")
+    if not q.is_contiguous() or q.data_ptr() % 16:
+        q = q.clone(memory_format=torch.contiguous_format)
+    work, num_work, long = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), _PREFILL_ROWS,
+                                         SDPA_PAIRS, q.device)  # fmt: skip
+    row = heads * (v_dim + qk_dim)  # elements; a position's row is firsts[b] + position, whole
+    starts = upload(list(firsts), torch.int32, q.device)
+    _launch_prefill(q, rows.data_ptr() + v_dim * rows.element_size(), rows.data_ptr(), (row, row, v_dim + qk_dim),
+                    _WHOLE_SEQUENCE, starts[:, None], work, num_work, _PREFILL_ROWS, out, heads, scale)  # fmt: skip
+    return long
 
 
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
