@@ -72,22 +72,22 @@ def test_mla_prefill_writes_only_its_sequences_rows():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "contexts, new, left_to_sdpa",
+    "contexts, new, on_the_kernel",
     [
-        ([0], [300], ()),
-        ([0, 37, 0, 300], [33, 70, 5, 129], ()),
-        ([2700, 5, 0], [400, 64, 1500], (0, 2)),  # 1.16M and 1.13M causal pairs: SDPA; the middle one: the kernel
+        ([0], [300], [0]),
+        ([0, 37, 0, 300], [33, 70, 5, 129], [0, 1, 2, 3]),
+        ([2700, 5, 0], [400, 64, 1500], [1]),  # 1.16M and 1.13M causal pairs: SDPA; the middle one: the kernel
     ],
 )
-def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, left_to_sdpa, monkeypatch):
+def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, on_the_kernel, monkeypatch):
     """At Kimi-Linear's sizes the kernel attends the step's sequences of fewer than SDPA_PAIRS causal pairs in one
     launch and torch's fused attention the others; both give the absorbed reference's values."""
     import atom.ops.mla as mla_ops
     from atom.ops.cuda._launch import kernels_apply
 
-    left = []
+    sent = []
     kernel = mla_ops.expanded_prefill_attention
-    monkeypatch.setattr(mla_ops, "expanded_prefill_attention", lambda *a: (left.append(kernel(*a)), left[-1])[1])
+    monkeypatch.setattr(mla_ops, "expanded_prefill_attention", lambda *a: (sent.append(a[5]), kernel(*a))[1])
     heads, rank, rope, nope, v = 32, 512, 64, 128, 128
     md, cache, q, kv_b = _step(contexts, new, torch.bfloat16, seed=3, device="cuda", heads=heads, rank=rank,
                                rope=rope, nope=nope, v=v)  # fmt: skip
@@ -100,8 +100,8 @@ def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, left_to_sdpa, monkeypatch):
     mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
     err = ((out.float() - expected).norm() / expected.norm()).item()
     assert err < 1e-2, err
-    if kernels_apply(q):  # a built atom._C: the kernel ran
-        assert left == [left_to_sdpa]
+    if kernels_apply(q):  # a built atom._C: the kernel ran on the shorter sequences, leaving none to SDPA
+        assert sent == [on_the_kernel]
 
 
 def test_the_prefill_form_switch(monkeypatch):

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom.forward_context import AttentionMetadata
 from atom.ops import PaddedLayout
-from atom.ops.cuda.paged_attention import expanded_kernel_applies, expanded_prefill_attention
+from atom.ops.cuda.paged_attention import SDPA_PAIRS, causal_pairs, expanded_kernel_applies, expanded_prefill_attention
 from atom.ops.paged_attention import gather_seq
 
 
@@ -116,15 +116,19 @@ def mla_prefill(
     firsts = [0] * md.num_seqs  # sequence b's first row in rows
     for b, first in zip(seqs, itertools.accumulate([0] + lens)):
         firsts[b] = first
-    if expanded_kernel_applies(q, v_dim):
-        expanded = torch.cat([kv[..., nope:], kv[..., :nope], k_rot], dim=-1)  # a head: [v | k_nope | k_rot]
-        k, v = expanded[..., v_dim:], expanded[..., :v_dim]
-        seqs = expanded_prefill_attention(q, expanded, firsts, md.query_start_loc, md.seq_lens, seqs, scale, out)
-    else:
-        k, v = torch.cat([kv[..., :nope], k_rot], dim=-1), kv[..., nope:]
     starts = md.query_start_loc
+    if expanded_kernel_applies(q, v_dim):  # the shorter sequences through the kernel, the others through SDPA
+        short = [b for b in seqs if causal_pairs(starts[b + 1] - starts[b], md.seq_lens[b]) < SDPA_PAIRS]
+        if short:
+            expanded = torch.cat([kv[..., nope:], kv[..., :nope], k_rot], dim=-1)  # a head: [v | k_nope | k_rot]
+            expanded_prefill_attention(q, expanded, firsts, starts, md.seq_lens, short, scale, out)
+            seqs = [b for b in seqs if b not in short]
+    if not seqs:
+        return
+    # SDPA's keys contiguous: on strided views of the kernel's rows it ran up to 1.27x slower (session 37)
+    k, v = torch.cat([kv[..., :nope], k_rot], dim=-1), kv[..., nope:]
     with sdpa_kernel(_PREFILL_BACKENDS, set_priority=True):
-        for b in seqs:  # the sequences the kernel left, or all of them
+        for b in seqs:
             start, stop, keys = starts[b], starts[b + 1], slice(firsts[b], firsts[b] + md.seq_lens[b])
             mask = None  # a fresh prompt: plain causal
             if md.context_lens[b]:  # query i sits at context + i and sees rows 0 .. context + i
