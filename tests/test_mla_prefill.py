@@ -70,6 +70,44 @@ def test_mla_prefill_writes_only_its_sequences_rows():
     assert out[decode.token_ids].isnan().all() and not out[prefill.token_ids].isnan().any()
 
 
+def test_mla_prefill_hands_the_shorter_sequences_to_the_kernel(monkeypatch):
+    """Where the kernel applies, mla_prefill hands it the sequences of fewer than SDPA_PAIRS causal pairs, with the
+    rows it reads (a head's [v | k_nope | k_rot], sequence b's from firsts[b]), and runs the others through SDPA.
+    Here the kernel's part is done in torch from exactly what it is handed (the kernel itself runs in the GPU test
+    below); every row must equal the absorbed reference's."""
+    import torch.nn.functional as F
+
+    import atom.ops.mla as mla_ops
+
+    handed = []
+
+    def kernel_in_torch(q, rows, firsts, starts, seq_lens, seqs, scale, out):
+        handed.append(list(seqs))
+        v_dim = out.shape[2]
+        for b in seqs:
+            n, start, stop = seq_lens[b], starts[b], starts[b + 1]
+            keys_values = rows[firsts[b] : firsts[b] + n].transpose(0, 1)  # [H, n, v + nope + rope]
+            mask = torch.ones(stop - start, n, dtype=torch.bool).tril(n - (stop - start))
+            out[start:stop] = F.scaled_dot_product_attention(
+                q[start:stop].transpose(0, 1), keys_values[..., v_dim:], keys_values[..., :v_dim], attn_mask=mask,
+                scale=scale).transpose(0, 1)  # fmt: skip
+        return ()
+
+    monkeypatch.setattr(mla_ops, "expanded_kernel_applies", lambda q, v_dim: True)
+    monkeypatch.setattr(mla_ops, "expanded_prefill_attention", kernel_in_torch)
+    contexts, new = [3, 0, 1000, 0], [9, 1449, 60, 2]  # the second: 1.05M causal pairs, SDPA's
+    md, cache, q, kv_b = _step(contexts, new, torch.float32, seed=11)
+    scale = (NOPE + ROPE) ** -0.5
+    (layout,) = split_decode_prefill(md.query_start_loc, q.device)
+    w_uk, w_uv = kv_b.view(HEADS, NOPE + V, RANK).split([NOPE, V], dim=1)
+    latent = mla_attention(torch.einsum("thn,hnr->thr", q[..., :NOPE], w_uk), q[..., NOPE:], cache, md, layout, scale)
+    expected = torch.einsum("thr,hvr->thv", latent, w_uv)
+    out = torch.full((q.shape[0], HEADS, V), float("nan"))
+    mla_prefill(q, cache, kv_b, md, layout.seqs, scale, out)
+    assert handed == [[0, 2, 3]]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
     "contexts, new, on_the_kernel",
