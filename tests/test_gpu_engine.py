@@ -147,86 +147,81 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
     assert graphs == eager == spec == cpu
 
 
+# bf16 prefill tests: chunks after cached context (a 64-token budget), one step mixing several prompts.
+BF16_PROMPTS = [list(range(3, 140)), [5, 6, 7, 8] * 20, list(range(200, 237)), [9, 10], list(range(40, 104))]
+
+
+@pytest.fixture
+def prefill_launches(monkeypatch):
+    """The prefill kernel's launches (``atom._C.paged_prefill_attention`` as the wrappers call it), counted."""
+    import atom.ops.cuda.paged_attention as paged
+
+    launches = []
+    inner = paged.C
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "paged_prefill_attention":
+                launches.append(name)
+            return getattr(inner(), name)
+
+    monkeypatch.setattr(paged, "C", Counting)
+    return launches
+
+
+def _bf16_prefill_run(path: str, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """BF16_PROMPTS' greedy tokens and their prompt tokens' logprobs, on a bf16 GPU engine; all resources free."""
+    from atom import LLM
+
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in BF16_PROMPTS], params, use_tqdm=False)
+    assert llm.engine.all_resources_free()
+    logprobs = [[o.prompt_logprobs[i][p[i]] for i in range(1, len(p))] for o, p in zip(outs, BF16_PROMPTS)]
+    return [o.outputs[0].token_ids for o in outs], logprobs
+
+
+def _largest_gap(logprobs: list[list[float]], others: list[list[float]]) -> float:
+    return max(abs(a - b) for mine, theirs in zip(logprobs, others) for a, b in zip(mine, theirs))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_gpu_dense_prefill_kernel_in_bf16_agrees_with_sdpa(tmp_path, monkeypatch, kind):
+def test_gpu_dense_prefill_kernel_in_bf16_agrees_with_sdpa(tmp_path, monkeypatch, prefill_launches, kind):
     """In bf16 with head_dim 64, a dense model's prefill chunks go through paged_prefill_attention's kernel (one
     launch a layer for a step's chunks, each after its cached context under a 64-token budget). Its prompt
     logprobs stay within bf16's rounding of the SDPA path's (one sequence at a time), and its greedy tokens equal
     that path's. Every block and slot is free after each run."""
     import atom.ops.cuda.paged_attention as paged
-    from atom import LLM
 
-    launches = []
-    inner = paged.C
-
-    class Counting:  # atom._C, with the prefill kernel's launches counted
-        def __getattr__(self, name):
-            if name == "paged_prefill_attention":
-                launches.append(name)
-            return getattr(inner(), name)
-
-    monkeypatch.setattr(paged, "C", Counting)
     path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False, head_dim=64)
-    prompts = [list(range(3, 140)), [5, 6, 7, 8] * 20, list(range(200, 237)), [9, 10], list(range(40, 104))]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
-
-    def run() -> tuple[list[list[int]], list[list[float]]]:
-        llm = LLM(path, dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_num_seqs=8)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert llm.engine.all_resources_free()
-        logprobs = [[o.prompt_logprobs[i][p[i]] for i in range(1, len(p))] for o, p in zip(outs, prompts)]
-        return [o.outputs[0].token_ids for o in outs], logprobs
-
-    tokens, logprobs = run()
-    assert launches
+    tokens, logprobs = _bf16_prefill_run(path, max_tokens=16)
+    assert prefill_launches
     monkeypatch.setattr(paged, "prefill_kernel_applies", lambda q, k_cache: False)
-    launches.clear()
-    sdpa_tokens, sdpa_logprobs = run()
-    assert not launches
-    worst = max(abs(a - b) for mine, theirs in zip(logprobs, sdpa_logprobs) for a, b in zip(mine, theirs))
+    prefill_launches.clear()
+    sdpa_tokens, sdpa_logprobs = _bf16_prefill_run(path, max_tokens=16)
+    assert not prefill_launches
+    worst = _largest_gap(logprobs, sdpa_logprobs)
     assert worst < 0.05, worst
     assert tokens == sdpa_tokens
 
 
-def test_gpu_kimi_mla_prefill_kernel_in_bf16_agrees_with_sdpa(tmp_path, monkeypatch):
+def test_gpu_kimi_mla_prefill_kernel_in_bf16_agrees_with_sdpa(tmp_path, monkeypatch, prefill_launches):
     """In bf16 with Kimi-Linear's MLA head sizes (nope 128 + rope 64, v 128), the MLA layer's prefill chunks go
     through expanded_prefill_attention's kernel (one launch a layer for a step's chunks, each after its cached
     context under a 64-token budget). Its prompt logprobs stay within bf16's rounding of the SDPA path's (one
     sequence at a time), and the first token after each prompt, which the prefill decides, is the same. Every block
     and slot is free after each run."""
-    import atom.ops.cuda.paged_attention as paged
     import atom.ops.mla as mla_ops
-    from atom import LLM
 
-    launches = []
-    inner = paged.C
-
-    class Counting:  # atom._C, with the prefill kernel's launches counted
-        def __getattr__(self, name):
-            if name == "paged_prefill_attention":
-                launches.append(name)
-            return getattr(inner(), name)
-
-    monkeypatch.setattr(paged, "C", Counting)
     path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False, qk_nope_head_dim=128,
                                             qk_rope_head_dim=64, v_head_dim=128)  # fmt: skip
-    prompts = [list(range(3, 140)), [5, 6, 7, 8] * 20, list(range(200, 237)), [9, 10], list(range(40, 104))]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-
-    def run() -> tuple[list[list[int]], list[list[float]]]:
-        llm = LLM(path, dtype="bfloat16", device="cuda", max_num_batched_tokens=64, max_num_seqs=8)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        assert llm.engine.all_resources_free()
-        logprobs = [[o.prompt_logprobs[i][p[i]] for i in range(1, len(p))] for o, p in zip(outs, prompts)]
-        return [o.outputs[0].token_ids for o in outs], logprobs
-
-    tokens, logprobs = run()
-    assert launches
+    tokens, logprobs = _bf16_prefill_run(path, max_tokens=4)
+    assert prefill_launches
     monkeypatch.setattr(mla_ops, "expanded_kernel_applies", lambda q, v_dim: False)
-    launches.clear()
-    sdpa_tokens, sdpa_logprobs = run()
-    assert not launches
-    worst = max(abs(a - b) for mine, theirs in zip(logprobs, sdpa_logprobs) for a, b in zip(mine, theirs))
+    prefill_launches.clear()
+    sdpa_tokens, sdpa_logprobs = _bf16_prefill_run(path, max_tokens=4)
+    assert not prefill_launches
+    worst = _largest_gap(logprobs, sdpa_logprobs)
     assert worst < 0.05, worst
     assert [t[0] for t in tokens] == [t[0] for t in sdpa_tokens]
 
