@@ -768,6 +768,17 @@ def _kv_caches(lens, block_size, kv_heads, dim, dtype):
     return k_cache.view(shape), v_cache.view(shape), tables
 
 
+def test_split_by_pairs_leaves_sequences_of_sdpa_pairs_or_more_to_sdpa():
+    """The prefill kernel's sequences are those under SDPA_PAIRS causal (query, key) pairs, in order; the count
+    includes the cached context."""
+    from atom.ops.cuda.paged_attention import SDPA_PAIRS, causal_pairs, split_by_pairs
+
+    assert causal_pairs(3, 10) == 3 * 7 + 6
+    # one query after 2^20 - 1 cached positions: exactly SDPA_PAIRS pairs; one fewer cached: one pair short
+    starts, seq_lens = [0, 1, 2, 1502, 1504], [SDPA_PAIRS, SDPA_PAIRS - 1, 1500, 2]
+    assert split_by_pairs(starts, seq_lens, [3, 0, 1, 2]) == ((3, 1), (0, 2))  # 1500 fresh: 1.13M pairs
+
+
 def test_wave_splits_fills_waves_or_keeps_rows_whole():
     """Flash-decoding's split count: none for a grid that fills enough of the GPU, else the fewest splits whose
     waves are within 5% of the fullest."""

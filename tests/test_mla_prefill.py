@@ -91,7 +91,6 @@ def test_mla_prefill_hands_the_shorter_sequences_to_the_kernel(monkeypatch):
             out[start:stop] = F.scaled_dot_product_attention(
                 q[start:stop].transpose(0, 1), keys_values[..., v_dim:], keys_values[..., :v_dim], attn_mask=mask,
                 scale=scale).transpose(0, 1)  # fmt: skip
-        return ()
 
     monkeypatch.setattr(mla_ops, "expanded_kernel_applies", lambda q, v_dim: True)
     monkeypatch.setattr(mla_ops, "expanded_prefill_attention", kernel_in_torch)
@@ -112,9 +111,9 @@ def test_mla_prefill_hands_the_shorter_sequences_to_the_kernel(monkeypatch):
 @pytest.mark.parametrize(
     "contexts, new, on_the_kernel",
     [
-        ([0], [300], [0]),
-        ([0, 37, 0, 300], [33, 70, 5, 129], [0, 1, 2, 3]),
-        ([2700, 5, 0], [400, 64, 1500], [1]),  # 1.16M and 1.13M causal pairs: SDPA; the middle one: the kernel
+        ([0], [300], (0,)),
+        ([0, 37, 0, 300], [33, 70, 5, 129], (0, 1, 2, 3)),
+        ([2700, 5, 0], [400, 64, 1500], (1,)),  # 1.16M and 1.13M causal pairs: SDPA; the middle one: the kernel
     ],
 )
 def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, on_the_kernel, monkeypatch):
@@ -125,7 +124,7 @@ def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, on_the_kernel, monkeypatch)
 
     sent = []
     kernel = mla_ops.expanded_prefill_attention
-    monkeypatch.setattr(mla_ops, "expanded_prefill_attention", lambda *a: (sent.append(a[5]), kernel(*a))[1])
+    monkeypatch.setattr(mla_ops, "expanded_prefill_attention", lambda *a: (sent.append(tuple(a[5])), kernel(*a))[1])
     heads, rank, rope, nope, v = 32, 512, 64, 128, 128
     md, cache, q, kv_b = _step(contexts, new, torch.bfloat16, seed=3, device="cuda", heads=heads, rank=rank,
                                rope=rope, nope=nope, v=v)  # fmt: skip

@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from atom.forward_context import AttentionMetadata
 from atom.ops import PaddedLayout
-from atom.ops.cuda.paged_attention import SDPA_PAIRS, causal_pairs, expanded_kernel_applies, expanded_prefill_attention
+from atom.ops.cuda.paged_attention import expanded_kernel_applies, expanded_prefill_attention, split_by_pairs
 from atom.ops.paged_attention import gather_seq
 
 
@@ -118,11 +118,10 @@ def mla_prefill(
         firsts[b] = first
     starts = md.query_start_loc
     if expanded_kernel_applies(q, v_dim):  # the shorter sequences through the kernel, the others through SDPA
-        short = [b for b in seqs if causal_pairs(starts[b + 1] - starts[b], md.seq_lens[b]) < SDPA_PAIRS]
+        short, seqs = split_by_pairs(starts, md.seq_lens, seqs)
         if short:
             expanded = torch.cat([kv[..., nope:], kv[..., :nope], k_rot], dim=-1)  # a head: [v | k_nope | k_rot]
             expanded_prefill_attention(q, expanded, firsts, starts, md.seq_lens, short, scale, out)
-            seqs = [b for b in seqs if b not in short]
     if not seqs:
         return
     # SDPA's keys contiguous: on strided views of the kernel's rows it ran up to 1.27x slower (session 37)

@@ -138,22 +138,38 @@ def prefill_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and C().paged_prefill_supported(dim, dim, dtype_code(q.dtype)))  # fmt: skip
 
 
+def split_by_pairs(query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                   seqs: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    """``seqs`` split, in order, into those of fewer than ``SDPA_PAIRS`` causal pairs (the prefill kernel's) and
+    the others (SDPA's, one at a time)."""
+    return _split_by_pairs(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), SDPA_PAIRS)
+
+
+@functools.lru_cache(maxsize=16)  # every layer of a step asks for the same split
+def _split_by_pairs(starts: tuple[int, ...], seq_lens: tuple[int, ...], seqs: tuple[int, ...],
+                    sdpa_pairs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    short = tuple(b for b in seqs if causal_pairs(starts[b + 1] - starts[b], seq_lens[b]) < sdpa_pairs)
+    return short, tuple(b for b in seqs if b not in short)
+
+
 @functools.lru_cache(maxsize=16)  # every layer of a step asks for the same plan
 def _prefill_plan(starts: tuple[int, ...], seq_lens: tuple[int, ...], seqs: tuple[int, ...], per_item: int,
-                  sdpa_pairs: int, device: torch.device) -> tuple[torch.Tensor, int, tuple[int, ...]]:  # fmt: skip
+                  device: torch.device) -> tuple[torch.Tensor, int]:  # fmt: skip
     """The kernel's work items [n, 4] int32 on ``device`` (block-table row, first token row, queries, first
-    position), the ones that reach furthest first so that a step's longest items start in the first wave; their
-    count; and the sequences left to SDPA (``sdpa_pairs`` causal pairs or more)."""
-    items, long = [], []
+    position) for ``seqs``, the ones that reach furthest first so that a step's longest items start in the first
+    wave; and their count."""
+    items = []
     for b in seqs:
         start, end = starts[b], starts[b + 1]
-        if causal_pairs(end - start, seq_lens[b]) >= sdpa_pairs:
-            long.append(b)
-            continue
         context = seq_lens[b] - (end - start)
         items += [(b, t, min(per_item, end - t), context + t - start) for t in range(start, end, per_item)]
     items.sort(key=lambda item: -(item[2] + item[3]))
-    return upload([x for item in items for x in item], torch.int32, device), len(items), tuple(long)
+    return upload([x for item in items for x in item], torch.int32, device), len(items)
+
+
+@functools.lru_cache(maxsize=16)
+def _first_rows(firsts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return upload(list(firsts), torch.int32, device)[:, None]  # a [sequences, 1] block table
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -182,11 +198,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q = q.clone(memory_format=torch.contiguous_format)
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
-    per_item = _PREFILL_ROWS // (heads // kv_heads)
-    work, num_work, long = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), per_item, SDPA_PAIRS,
-                                         q.device)  # fmt: skip
+    short, long = split_by_pairs(query_start_loc, seq_lens, seqs)
     if long:
         paged_prefill_attention_sdpa(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, long, scale, out)
+    per_item = _PREFILL_ROWS // (heads // kv_heads)
+    work, num_work = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), short, per_item, q.device)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _launch_prefill(q, k_cache.data_ptr(), v_cache.data_ptr(), strides, block_size, block_tables, work, num_work,
                     per_item, out, kv_heads, scale)  # fmt: skip
@@ -221,9 +237,9 @@ def expanded_kernel_applies(q: torch.Tensor, v_dim: int) -> bool:
 
 def expanded_prefill_attention(q: torch.Tensor, rows: torch.Tensor, firsts: Sequence[int],
                                query_start_loc: Sequence[int], seq_lens: Sequence[int], seqs: Sequence[int],
-                               scale: float, out: torch.Tensor) -> tuple[int, ...]:  # fmt: skip
-    """MLA prefill's causal attention over its expanded keys and values, every short sequence of ``seqs`` in one
-    launch; returns the sequences left to the caller (``SDPA_PAIRS`` causal pairs or more).
+                               scale: float, out: torch.Tensor) -> None:  # fmt: skip
+    """MLA prefill's causal attention over its expanded keys and values, every sequence of ``seqs`` in one launch
+    (the caller keeps the long ones for SDPA: ``split_by_pairs``).
 
     q [T, H, nope + rope] (the step's queries), out [T, H, v]; rows [P, H, v + nope + rope]: each head's value,
     then its key, for every cached and new row of the sequences, sequence b's seq_lens[b] rows from rows[firsts[b]]
@@ -239,13 +255,11 @@ def expanded_prefill_attention(q: torch.Tensor, rows: torch.Tensor, firsts: Sequ
                          f"[{q.shape[0]}, {heads}, v]")
     if not q.is_contiguous() or q.data_ptr() % 16:
         q = q.clone(memory_format=torch.contiguous_format)
-    work, num_work, long = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), _PREFILL_ROWS,
-                                         SDPA_PAIRS, q.device)  # fmt: skip
+    work, num_work = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), _PREFILL_ROWS, q.device)
     row = heads * (v_dim + qk_dim)  # elements; a position's row is firsts[b] + position, whole
-    starts = upload(list(firsts), torch.int32, q.device)
     _launch_prefill(q, rows.data_ptr() + v_dim * rows.element_size(), rows.data_ptr(), (row, row, v_dim + qk_dim),
-                    _WHOLE_SEQUENCE, starts[:, None], work, num_work, _PREFILL_ROWS, out, heads, scale)  # fmt: skip
-    return long
+                    _WHOLE_SEQUENCE, _first_rows(tuple(firsts), q.device), work, num_work, _PREFILL_ROWS, out, heads,
+                    scale)  # fmt: skip
 
 
 def write_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
