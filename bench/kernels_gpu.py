@@ -37,6 +37,7 @@ cache, block size 16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -280,10 +281,17 @@ def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, ra
         latent = mla_attention(q_latent, q[..., nope:], cache, md, layout, scale)
         return torch.einsum("thr,hvr->thv", latent.to(bf16), w_uv)
 
+    def on_the_kernel(rows):  # every sequence through the kernel, in blocks of `rows`
+        with prefill_forced(rows, float("inf")):
+            return expanded()
+
     reference = absorbed().float()
     err = ((expanded().float() - reference).norm() / reference.norm()).item()
     sdpa_err = ((expanded_sdpa().float() - reference).norm() / reference.norm()).item()
+    err128 = ((on_the_kernel(128).float() - reference).norm() / reference.norm()).item()
     new_us, sdpa_us = time_us(expanded, reps=10, warmup=2), time_us(expanded_sdpa, reps=10, warmup=2)
+    us64 = time_us(lambda: on_the_kernel(64), reps=10, warmup=2)
+    us128 = time_us(lambda: on_the_kernel(128), reps=10, warmup=2)
     old_us = time_us(absorbed, reps=3, warmup=1)
     # causal (query, key) pairs, each nope + rope + v multiply-adds a head in the expanded form
     pairs = seqs * (new * context + new * (new + 1) // 2)
@@ -291,9 +299,11 @@ def bench_mla_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, ra
     name = f"mla_prefill {seqs}x{new} ctx={context} H={heads}"
     print(f"{name}: expanded {new_us:.0f} us ({tflops:.0f} TFLOP/s), expanded through SDPA a sequence at a time "
           f"{sdpa_us:.0f} us ({sdpa_us / new_us:.2f}x), absorbed reference {old_us:.0f} us ({old_us / new_us:.1f}x); "
-          f"outputs differ from the reference by {err:.1e} ({sdpa_err:.1e} through SDPA)", flush=True)  # fmt: skip
+          f"outputs differ from the reference by {err:.1e} ({sdpa_err:.1e} through SDPA, {err128:.1e} in 128-row "
+          f"blocks); every sequence on the kernel: 64-row blocks {us64:.0f} us, 128-row {us128:.0f} us "
+          f"({us64 / us128:.2f}x)", flush=True)  # fmt: skip
     return {"op": name, "bytes": cache.numel() * 2 + (q.numel() + out.numel()) * 2, "us": new_us, "tflops": tflops,
-            "sdpa_us": sdpa_us, "baseline_us": old_us}
+            "sdpa_us": sdpa_us, "baseline_us": old_us, "us64": us64, "us128": us128}
 
 
 def bench_paged_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, kv_heads: int = 8,
@@ -318,12 +328,9 @@ def bench_paged_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, 
     def layer():
         paged.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, order, dim**-0.5, out)
 
-    def kernel():
-        saved, paged.SDPA_PAIRS = paged.SDPA_PAIRS, float("inf")
-        try:
+    def kernel(rows=None):
+        with prefill_forced(rows, float("inf")):
             layer()
-        finally:
-            paged.SDPA_PAIRS = saved
 
     def sdpa():
         paged.paged_prefill_attention_sdpa(q, k_cache, v_cache, tables, starts, lens, order, dim**-0.5, sdpa_out)
@@ -331,16 +338,36 @@ def bench_paged_prefill(seqs: int, new: int, context: int = 0, heads: int = 32, 
     kernel()
     sdpa()
     err = ((out.float() - sdpa_out.float()).norm() / sdpa_out.float().norm()).item()
-    new_us, old_us = time_us(kernel, reps=10, warmup=2), time_us(sdpa, reps=5, warmup=1)
-    layer_us = time_us(layer, reps=5, warmup=1)
+    kernel(128)
+    err128 = ((out.float() - sdpa_out.float()).norm() / sdpa_out.float().norm()).item()
+    new_us, old_us = time_us(kernel, reps=10, warmup=2), time_us(sdpa, reps=10, warmup=2)
+    us64, us128 = time_us(lambda: kernel(64), reps=10, warmup=2), time_us(lambda: kernel(128), reps=10, warmup=2)
+    layer_us = time_us(layer, reps=10, warmup=2)
     pairs = seqs * (new * context + new * (new + 1) // 2)  # causal (query, key) pairs
     tflops = 4 * pairs * heads * dim / new_us / 1e6  # q.k and p.v, dim multiply-adds each
     name = f"paged_prefill {seqs}x{new} ctx={context} H={heads}/{kv_heads} D={dim}"
-    print(f"{name}: kernel {new_us:.0f} us ({tflops:.0f} TFLOP/s), SDPA a sequence at a time {old_us:.0f} us "
+    print(f"{name}: kernel {new_us:.0f} us ({tflops:.0f} TFLOP/s; 64-row blocks {us64:.0f}, 128-row "
+          f"{us128:.0f} us: {us64 / us128:.2f}x), SDPA a sequence at a time {old_us:.0f} us "
           f"({4 * pairs * heads * dim / old_us / 1e6:.0f} TFLOP/s): {old_us / new_us:.2f}x (outputs differ by "
-          f"{err:.1e}); as the layer calls it {layer_us:.0f} us: {old_us / layer_us:.2f}x", flush=True)  # fmt: skip
+          f"{err:.1e}, {err128:.1e} in 128-row blocks); as the layer calls it {layer_us:.0f} us: "
+          f"{old_us / layer_us:.2f}x", flush=True)  # fmt: skip
     moved = (k_cache.numel() + v_cache.numel() + q.numel() + out.numel()) * 2
-    return {"op": name, "bytes": moved, "us": new_us, "tflops": tflops, "baseline_us": old_us, "layer_us": layer_us}
+    return {"op": name, "bytes": moved, "us": new_us, "tflops": tflops, "baseline_us": old_us, "layer_us": layer_us,
+            "us64": us64, "us128": us128}
+
+
+@contextlib.contextmanager
+def prefill_forced(rows: int | None = None, sdpa_pairs: float | None = None):
+    """The prefill kernel's block rows (64 or 128) and SDPA threshold forced for a while (None: the engine's)."""
+    import atom.ops.cuda.paged_attention as paged
+
+    saved = paged.BLOCK_ROWS, paged.SDPA_PAIRS
+    paged.BLOCK_ROWS = rows
+    paged.SDPA_PAIRS = saved[1] if sdpa_pairs is None else sdpa_pairs
+    try:
+        yield
+    finally:
+        paged.BLOCK_ROWS, paged.SDPA_PAIRS = saved
 
 
 def bench_conv(C, batch: int, channels: int = 3 * 32 * 128, width: int = 4) -> dict:
@@ -569,12 +596,17 @@ def bench_mla(
 
 
 def bench_paged(C, batch: int, context: int, heads: int = 32, kv_heads: int = 8, dim: int = 128,
-                block_size: int = 16) -> dict:  # fmt: skip
-    """Dense models' GQA decode attention (Llama-3-8B's heads by default), bf16 K and V caches."""
+                block_size: int = 16, splits: int | None = None, min_tiles: int = 1, graph: bool = False,
+                max_seq_len: int | None = None) -> dict:  # fmt: skip
+    """Dense models' GQA decode attention (Llama-3-8B's heads by default), bf16 K and V caches; ``splits`` (and
+    ``min_tiles``, a split's fewest tiles) forced, else the engine's choice for rows of up to ``max_seq_len``
+    (default: this context; a CUDA graph's is max_model_len)."""
     bf16 = torch.bfloat16
     per_seq = -(-context // block_size)
     num_blocks = batch * per_seq
-    splits = choose_paged_splits(batch, heads, kv_heads, dim, bf16, context, _num_sms(torch.device("cuda")))
+    if splits is None:
+        splits, min_tiles = choose_paged_splits(batch, heads, kv_heads, dim, bf16, max_seq_len or context,
+                                                _num_sms(torch.device("cuda")))  # fmt: skip
 
     def make():
         k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, dtype=bf16, device="cuda")
@@ -591,14 +623,14 @@ def bench_paged(C, batch: int, context: int, heads: int = 32, kv_heads: int = 8,
                 q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                 k_cache.stride(2), block_size, tables.data_ptr(), tables.stride(0), dtype_code(torch.int32),
                 seq_lens.data_ptr(), dtype_code(torch.int32), out.data_ptr(), o_part.data_ptr(), lse.data_ptr(),
-                batch, heads, kv_heads, dim, splits, 0, dim**-0.5, dtype_code(bf16), dtype_code(bf16),
+                batch, heads, kv_heads, dim, splits, min_tiles, 0, dim**-0.5, dtype_code(bf16), dtype_code(bf16),
                 stream())  # fmt: skip
 
         return run
 
     moved = batch * context * kv_heads * dim * 2 * 2 + 2 * batch * heads * dim * 2  # K and V, q and out
-    times = timings(make, moved)
-    name = f"paged_decode B={batch} ctx={context} H={heads}/{kv_heads} D={dim} splits={splits}"
+    times = timings(make, moved, graph)
+    name = f"paged_decode B={batch} ctx={context} H={heads}/{kv_heads} D={dim} splits={splits}/{min_tiles}"
     return {"op": name, "bytes": moved, **times}
 
 
@@ -852,10 +884,24 @@ def main() -> None:
     for dim, kv_heads in ((128, 8), (64, 8)):  # Llama-3-8B's attention; Llama-3.2-1B's
         cases += [(f"paged_decode B={b} ctx={c} D={dim}", lambda b=b, c=c, d=dim, k=kv_heads: bench_paged(
             C, b, c, kv_heads=k, dim=d)) for c in (256, 1024, 4096) for b in batches]  # fmt: skip
+    # Splits forced past one wave (8 kv heads: 8 blocks a row), in a graph too: graphs choose splits by
+    # max_model_len, so splits that help long rows must not cost short ones much (a row takes only the splits
+    # that give each min_tiles tiles). "auto": the engine's choice for max_model_len 8192.
+    forced = ((1, 1), (2, 16), (3, 16), (3, 8), (4, 16))
+    cases += [(f"paged_splits D=128 B={b} ctx={c} s={s}/{t}", lambda b=b, c=c, s=s, t=t: bench_paged(
+        C, b, c, splits=s, min_tiles=t, graph=True)) for b in (64, 96, 128, 192) for c in (128, 512, 1024, 2048, 8192)
+        for s, t in forced]  # fmt: skip
+    cases += [(f"paged_splits D={d} B={b} ctx={c} auto", lambda b=b, c=c, d=d: bench_paged(
+        C, b, c, dim=d, graph=True, max_seq_len=8192)) for d in (128, 64) for b in (64, 128, 256)
+        for c in (128, 1024, 4096)]  # fmt: skip
+    cases += [(f"paged_splits D=64 B={b} ctx={c} s={s}/{t}", lambda b=b, c=c, s=s, t=t: bench_paged(
+        C, b, c, dim=64, splits=s, min_tiles=t, graph=True)) for b in (128, 256) for c in (128, 1024, 4096)
+        for s, t in forced[:3]]  # fmt: skip
     for dim in (128, 64):  # Llama-3-8B's and Llama-3.2-1B's heads (32 and 8 kv)
         cases += [(f"paged_prefill {n}x{t} ctx={c} D={dim}", lambda n=n, t=t, c=c, d=dim: bench_paged_prefill(
             n, t, c, dim=d)) for n, t, c in ((64, 64, 0), (16, 512, 0), (4, 2048, 0), (1, 8192, 0), (1, 512, 3584),
-                                             (16, 32, 1000))]  # fmt: skip
+                                             (16, 32, 1000), (2, 512, 0), (8, 256, 0), (4, 1024, 0), (1, 2048, 0),
+                                             (32, 128, 0), (1, 128, 2000))]  # fmt: skip
     cases += [(f"mla_prefill {n}x{t} ctx={c}", lambda n=n, t=t, c=c: bench_mla_prefill(n, t, c))
               for n, t, c in ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 2048, 6144), (64, 64, 0),
                               (16, 32, 1000))]  # fmt: skip

@@ -198,18 +198,18 @@ PYBIND11_MODULE(_C, m) {
          int64_t head_stride, int64_t block_size, uintptr_t block_tables, int64_t block_table_stride,
          int block_table_dtype, uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out, uintptr_t o_part,
          uintptr_t lse_part, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_splits,
-         int64_t stages, double scale, int dtype, int out_dtype, uintptr_t stream) {
+         int64_t split_min_tiles, int64_t stages, double scale, int dtype, int out_dtype, uintptr_t stream) {
         check(atom::paged_decode_attention(q, k_cache, v_cache, block_stride, token_stride, head_stride, block_size,
                                            block_tables, block_table_stride, block_table_dtype, seq_lens,
                                            seq_lens_dtype, out, o_part, lse_part, rows, heads, kv_heads, head_dim,
-                                           num_splits, stages, scale, dtype, out_dtype, stream));
+                                           num_splits, split_min_tiles, stages, scale, dtype, out_dtype, stream));
       },
       "GQA decode attention over paged K and V caches", py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
       py::arg("block_stride"), py::arg("token_stride"), py::arg("head_stride"), py::arg("block_size"),
       py::arg("block_tables"), py::arg("block_table_stride"), py::arg("block_table_dtype"), py::arg("seq_lens"),
       py::arg("seq_lens_dtype"), py::arg("out"), py::arg("o_part"), py::arg("lse_part"), py::arg("rows"),
-      py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_splits"), py::arg("stages"),
-      py::arg("scale"), py::arg("dtype"), py::arg("out_dtype"), py::arg("stream"));
+      py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("num_splits"), py::arg("split_min_tiles"),
+      py::arg("stages"), py::arg("scale"), py::arg("dtype"), py::arg("out_dtype"), py::arg("stream"));
 
   m.def(
       "paged_prefill_attention",

@@ -191,6 +191,7 @@ const char* write_latent_cache(uintptr_t cache, int64_t block_stride, int64_t ro
 // its first seq_lens[t] positions through block_tables row t (int32/int64, row stride in elements). out
 // [rows, heads, head_dim] in out_dtype (float32 or the cache's dtype); num_splits > 1 needs o_part [rows,
 // splits, heads, head_dim] and lse_part [rows, splits, heads] (float32). A row of length 0 gives zeros.
+// A row takes only as many of the num_splits as give each split_min_tiles tiles of 32 positions (at least one).
 // stages: how many tiles of K and V the kernel's shared-memory ring holds (1..3; 0: two up to head_dim 128, else
 // one, or one where two do not fit).
 const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, int64_t block_stride,
@@ -198,8 +199,8 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                                    uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
                                    uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out, uintptr_t o_part,
                                    uintptr_t lse_part, int64_t rows, int64_t heads, int64_t kv_heads,
-                                   int64_t head_dim, int64_t num_splits, int64_t stages, double scale, int dtype,
-                                   int out_dtype, uintptr_t stream);
+                                   int64_t head_dim, int64_t num_splits, int64_t split_min_tiles, int64_t stages,
+                                   double scale, int dtype, int out_dtype, uintptr_t stream);
 
 // How many blocks of paged_decode_attention's kernel one SM of the current GPU runs at once, for blocks of
 // heads_per_block (1..8) query heads of head_dim in dtype; 0 for sizes it does not take. Sizes its splits.

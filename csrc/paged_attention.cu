@@ -21,8 +21,8 @@
 // Long sequences are split over several blocks (flash-decoding) and the splits merged by their
 // log-sum-exp (paged_combine_kernel). head_dim <= 256.
 //
-// Prefill chunks (paged_prefill_mma_kernel, below): a block attends 64 (query, head) rows of a chunk, causal
-// after its cached context, on the same ring and tensor cores; bf16/fp16 rows of 64 or 128 on NVIDIA.
+// Prefill chunks (paged_prefill_mma_kernel, below): a block attends 64 or 128 (query, head) rows of a chunk, causal
+// after its cached context, on the same ring and tensor cores; bf16/fp16 q/k rows of 64, 128 or 192 on NVIDIA.
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -72,6 +72,7 @@ struct PagedParams {
   float* o_part;    // [rows, splits, heads, dim]: each split's normalised output (splits > 1)
   float* lse_part;  // [rows, splits, heads]: natural-log sum of exp(score) of each split
   int heads, kv_heads, dim, num_splits;
+  int split_min_tiles;  // a row takes only as many of the splits as give each this many tiles (at least one)
   float scale;
   int stages;  // shared-memory tiles in the ring: 1..kMaxStages (0 from the caller: the default, if it fits)
   bool vec;    // head rows of K and V 16-byte aligned: cp.async in 16-byte pieces
@@ -139,11 +140,20 @@ __device__ __forceinline__ float warp_sum(float x) {
 }
 
 // What a block computes: query heads h0 .. h0 + nh - 1 (one kv head, kvh) of one row, over its split's
-// positions [begin, end) of the row's seq_len.
+// positions [begin, end) of the row's seq_len; the row takes `splits` of the grid's splits (see row_splits).
 struct BlockWork {
-  int kvh, h0, nh, split;
+  int kvh, h0, nh, split, splits;
   int64_t row, begin, end;
 };
+
+// How many of the grid's splits a row of seq_len positions takes: one for each split_min_tiles of its tiles, at
+// least one, at most num_splits. A row of one split is written whole by its block (and the merge leaves it
+// alone), so a grid sized for long rows (CUDA graphs size it by the longest row a model allows) costs short rows
+// only the launch of the blocks they leave idle.
+__device__ __forceinline__ int row_splits(const PagedParams& p, int64_t seq_len) {
+  const int64_t most = ceil_div(seq_len, kTile) / p.split_min_tiles;
+  return most < 1 ? 1 : most < p.num_splits ? static_cast<int>(most) : p.num_splits;
+}
 
 __device__ __forceinline__ BlockWork block_work(const PagedParams& p) {
   const int group = p.heads / p.kv_heads;
@@ -155,16 +165,19 @@ __device__ __forceinline__ BlockWork block_work(const PagedParams& p) {
   w.row = blockIdx.y;
   w.split = blockIdx.z;
   const int64_t seq_len = load_index(p.seq_lens, w.row, p.sl64);
-  const TileRange tiles = split_tiles(seq_len, kTile, w.split, p.num_splits);
+  w.splits = row_splits(p, seq_len);
+  const TileRange tiles = split_tiles(seq_len, kTile, w.split, w.splits);
   w.begin = tiles.begin * kTile;
   w.end = tiles.end * kTile < seq_len ? tiles.end * kTile : seq_len;
   return w;
 }
 
-// A block with nothing to attend to: zeros (one split), or an empty partial (lse -inf).
+// A block with nothing to attend to: zeros (the row's one split), an empty partial (lse -inf), or nothing (a split
+// the row does not take).
 template <typename OutT>
 __device__ void write_empty(const PagedParams& p, const BlockWork& w) {
-  if (p.num_splits == 1) {
+  if (w.split >= w.splits) return;
+  if (w.splits == 1) {
     OutT* out = static_cast<OutT*>(p.out) + (w.row * p.heads + w.h0) * p.dim;
     for (int c = threadIdx.x; c < w.nh * p.dim; c += kThreads) out[c] = from_float<OutT>(0.f);
   } else if (threadIdx.x < w.nh) {
@@ -387,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
     l[r] = warp_sum(l[r]);
     if (lane == 0) {
       l_s[g] = l[r];
-      if (S > 1) p.lse_part[(w.row * S + w.split) * p.heads + w.h0 + g] = (m[r] + log2f(l[r])) / kLog2e;
+      if (w.splits > 1) p.lse_part[(w.row * S + w.split) * p.heads + w.h0 + g] = (m[r] + log2f(l[r])) / kLog2e;
     }
   }
   __syncthreads();
@@ -398,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
     if (g >= nh) continue;
     const float inv = 1.f / l_s[g];
     for (int i = 0; i < 4 && c + i < p.dim; ++i) {
-      if (S == 1) {
+      if (w.splits == 1) {
         static_cast<OutT*>(p.out)[(w.row * p.heads + w.h0 + g) * p.dim + c + i] = from_float<OutT>(acc[r][i] * inv);
       } else {
         p.o_part[((w.row * S + w.split) * p.heads + w.h0 + g) * p.dim + c + i] = acc[r][i] * inv;
@@ -560,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, kDim > 128 ? 4 : 5) paged_decode_mma
     const int col = nt * 8 + 2 * t4;
     const float2 add = *reinterpret_cast<const float2*>(mine + col);
     const float v0 = (o[nt][0] * f + add.x) * inv, v1 = (o[nt][1] * f + add.y) * inv;
-    if (S == 1) {
+    if (w.splits == 1) {
       OutT* out = static_cast<OutT*>(p.out) + (w.row * p.heads + head) * p.dim + c0 + col;
       out[0] = from_float<OutT>(v0);
       out[1] = from_float<OutT>(v1);
@@ -569,34 +582,38 @@ __global__ void __launch_bounds__(kThreads, kDim > 128 ? 4 : 5) paged_decode_mma
           make_float2(v0, v1);
     }
   }
-  if (S > 1 && warp == 0 && t4 == 0)
+  if (w.splits > 1 && warp == 0 && t4 == 0)
     p.lse_part[(w.row * S + w.split) * p.heads + head] = (top + log2f(total)) / kLog2e;
 }
 
 // ---- paged_prefill_attention: the causal attention of prefill chunks over the paged caches, on tensor cores.
 //
-// A block serves kPrefillRows (query, head) rows of one kv head: row r is query r / group of its work item and
-// query head kvh * group + r % group, so a K or V tile read from the cache serves every head of the group. Warp w
-// takes rows 16 w .. 16 w + 15 (rows g and g + 8 of its fragments, both real here) over every position up to its
-// last query's own, in tiles through the same ring as the decode kernels; each warp keeps its rows' online
-// softmax in registers and writes its rows itself. A work item (int4): the sequence's block-table row, the token
-// row of its first query in q and out, how many queries (<= kPrefillRows / group), and the first query's position
-// (its cached context plus its index in the chunk); query i attends positions 0 .. position + i.
+// A block serves 64 kM (query, head) rows of one kv head (kM = 1 or 2): row r is query r / group of its work item
+// and query head kvh * group + r % group, so a K or V tile read from the cache serves every head of the group.
+// Warp w takes rows 16 kM w .. 16 kM (w + 1) - 1, kM m-tiles of 16 (rows g and g + 8 of each tile's fragments),
+// over every position up to its last query's own, in tiles through the same ring as the decode kernels; with two
+// m-tiles each K and V fragment read from shared memory serves both (half the shared-memory reads a product,
+// which bound the one-tile form on long sequences). Each warp keeps its rows' online softmax in registers and
+// writes its rows itself. A work item (int4): the sequence's block-table row, the token row of its first query in
+// q and out, how many queries (<= 64 kM / group), and the first query's position (its cached context plus its
+// index in the chunk); query i attends positions 0 .. position + i.
 
 template <typename T>
-__host__ __device__ constexpr int prefill_smem_bytes(int dim, int stages) {
-  return (stages * 2 * kTile + kPrefillRows) * row_elems<T>(dim) * static_cast<int>(sizeof(T)) +
+__host__ __device__ constexpr int prefill_smem_bytes(int dim, int stages, int rows) {
+  return (stages * 2 * kTile + rows) * row_elems<T>(dim) * static_cast<int>(sizeof(T)) +
          stages * kTile * static_cast<int>(sizeof(int64_t));
 }
 
-// grid (work items, kv_heads), kThreads threads, prefill_smem_bytes of shared memory; q [tokens, heads, kDim] and
-// out [tokens, heads, kDimV] contiguous and 16-byte aligned. K rows of kDim; V rows of kDimV (MLA's expanded form:
-// 192 and 128; dense models: equal), each read as kDim elements from its start (the ring copies K and V alike), of
-// which the first kDimV are used.
-template <typename T, int kDim, int kDimV>
-__global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedParams p, const int4* work) {
-  static_assert(kDim % 16 == 0 && kDimV % 16 == 0 && kDimV <= 128, "o's accumulators: kDimV / 2 registers a thread");
+// grid (work items, kv_heads), kThreads threads, prefill_smem_bytes(dim, stages, kM * kPrefillRows) of shared
+// memory; q [tokens, heads, kDim] and out [tokens, heads, kDimV] contiguous and 16-byte aligned. K rows of kDim;
+// V rows of kDimV (MLA's expanded form: 192 and 128; dense models: equal), each read as kDim elements from its
+// start (the ring copies K and V alike), of which the first kDimV are used.
+template <typename T, int kDim, int kDimV, int kM>
+__global__ void __launch_bounds__(kThreads, kM == 1 ? 4 : 2) paged_prefill_mma_kernel(PagedParams p, const int4* work) {
+  static_assert(kDim % 16 == 0 && kDimV % 16 == 0 && kDimV <= 128, "o's accumulators: kDimV / 2 registers a tile");
+  static_assert(kM == 1 || kM == 2, "one or two m-tiles a warp");
   constexpr int kKSteps = kDim / 16, kNTiles = kDimV / 8, kPer16 = KvRing<T>::kPer16, kPieces = kDim / kPer16;
+  constexpr int kRows = kM * kPrefillRows, kWarpRows = kM * kMmaRows;
   pdl_enter();
   const int4 job = work[blockIdx.x];  // x: block-table row, y: first token row, z: queries, w: first position
   const int group = p.heads / p.kv_heads;
@@ -605,13 +622,14 @@ __global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedPar
   w.h0 = w.kvh * group;
   w.nh = group;
   w.split = 0;
+  w.splits = 1;
   w.row = job.x;
   w.begin = 0;
   w.end = static_cast<int64_t>(job.w) + job.z;  // through the last query's own position
-  const KvRing<T> ring = make_ring<T>(p, w, kPrefillRows);
+  const KvRing<T> ring = make_ring<T>(p, w, kRows);
   const int rs = ring.rs;
-  T* q_s = ring.tiles + ring.stages * 2 * kTile * rs;  // [kPrefillRows][rs]: zeros in rows past the queries
-  for (int c = threadIdx.x; c < kPrefillRows * kPieces; c += kThreads) {
+  T* q_s = ring.tiles + ring.stages * 2 * kTile * rs;  // [kRows][rs]: zeros in rows past the queries
+  for (int c = threadIdx.x; c < kRows * kPieces; c += kThreads) {
     const int r = c / kPieces, piece = c % kPieces, qi = r / group;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (qi < job.z)
@@ -623,84 +641,118 @@ __global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedPar
   ring.start();  // its barrier also publishes q_s
 
   const int warp = threadIdx.x / kGroup, lane = threadIdx.x % kGroup, g = lane >> 2, t4 = lane & 3;
-  int last[2];  // the last position rows g and g + 8 attend to; -1 for rows past the queries
+  int last[kM][2];  // the last position rows g and g + 8 of each m-tile attend to; -1 for rows past the queries
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int qi = (warp * kMmaRows + g + 8 * h) / group;
-    last[h] = qi < job.z ? job.w + qi : -1;
-  }
-  const int first_q = warp * kMmaRows / group;  // the warp's rows' queries: first_q .. its last valid one
-  const int warp_last = first_q < job.z ? job.w + min(job.z - 1, (warp * kMmaRows + kMmaRows - 1) / group) : -1;
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int qi = (warp * kWarpRows + mt * kMmaRows + g + 8 * h) / group;
+      last[mt][h] = qi < job.z ? job.w + qi : -1;
+    }
+  const int first_q = warp * kWarpRows / group;  // the warp's rows' queries: first_q .. its last valid one
+  const int warp_last = first_q < job.z ? job.w + min(job.z - 1, (warp * kWarpRows + kWarpRows - 1) / group) : -1;
   const float scale = p.scale * kLog2e;
-  float o[kNTiles][4];  // rows g (0, 1) and g + 8 (2, 3), columns 8 nt + 2 t4 (+1)
+  float o[kM][kNTiles][4];  // per m-tile: rows g (0, 1) and g + 8 (2, 3), columns 8 nt + 2 t4 (+1)
 #pragma unroll
-  for (int nt = 0; nt < kNTiles; ++nt)
+  for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[nt][i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows' running maxima (base 2), this lane's sums
-  const T* a_ptr = q_s + (warp * kMmaRows + (lane & 15)) * rs + (lane >> 4) * 8;
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][nt][i] = 0.f;
+  float m[kM][2], l[kM][2];  // rows' running maxima (base 2), this lane's sums
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m[mt][h] = -INFINITY;
+      l[mt][h] = 0.f;
+    }
+  const T* a_ptr = q_s + (warp * kWarpRows + (lane & 15)) * rs + (lane >> 4) * 8;  // m-tile mt: + 16 mt rows
 
   for (int t = 0; t < ring.num_tiles; ++t) {
     const int64_t ahead = ring.arrive(t);
     if (t * kTile <= warp_last) {  // else every position of the tile lies past the warp's rows (uniform)
       const T* k_s = ring.k_tile(t);
       const T* v_s = ring.v_tile(t);
-      // S[16 x 32] = Q K^T: four n-tiles of 8 positions.
-      float s[4][4] = {};
+      // S[16 kM x 32] = Q K^T: four n-tiles of 8 positions; each K fragment serves every m-tile.
+      float s[kM][4][4] = {};
       const T* b_ptr = k_s + ((lane & 7) + ((lane >> 4) << 3)) * rs + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t a[4];
-        ptx::ldmatrix_x4(a, a_ptr + ks * 16);
+        uint32_t a[kM][4];
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt) ptx::ldmatrix_x4(a[mt], a_ptr + mt * kMmaRows * rs + ks * 16);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           uint32_t b[4];
           ptx::ldmatrix_x4(b, b_ptr + half * 16 * rs + ks * 16);
-          mma16816<T>(s[2 * half], a, b[0], b[1]);
-          mma16816<T>(s[2 * half + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < kM; ++mt) {
+            mma16816<T>(s[mt][2 * half], a[mt], b[0], b[1]);
+            mma16816<T>(s[mt][2 * half + 1], a[mt], b[2], b[3]);
+          }
         }
       }
       // The causal mask and the online softmax of rows g (h = 0) and g + 8 (h = 1); a row's four lanes agree.
-      float mx[2] = {m[0], m[1]};
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int mt = 0; mt < kM; ++mt) {
+        float mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = i >> 1, pos = t * kTile + nt * 8 + 2 * t4 + (i & 1);
-          s[nt][i] = pos <= last[h] ? s[nt][i] * scale : -INFINITY;
-          mx[h] = fmaxf(mx[h], s[nt][i]);
-        }
-      float alpha[2], base[2];
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1, kGroup));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2, kGroup));
-        base[h] = mx[h] == -INFINITY ? 0.f : mx[h];  // a row past the queries: every weight 0
-        alpha[h] = exp2f(m[h] - base[h]);
-        m[h] = mx[h];
-        l[h] *= alpha[h];
-      }
+          for (int i = 0; i < 4; ++i) {
+            const int h = i >> 1, pos = t * kTile + nt * 8 + 2 * t4 + (i & 1);
+            s[mt][nt][i] = pos <= last[mt][h] ? s[mt][nt][i] * scale : -INFINITY;
+            mx[h] = fmaxf(mx[h], s[mt][nt][i]);
+          }
+        float alpha[2], base[2];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          s[nt][i] = exp2f(s[nt][i] - base[i >> 1]);
-          l[i >> 1] += s[nt][i];
+        for (int h = 0; h < 2; ++h) {
+          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1, kGroup));
+          mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2, kGroup));
+          base[h] = mx[h] == -INFINITY ? 0.f : mx[h];  // a row past the queries: every weight 0
+          alpha[h] = exp2f(m[mt][h] - base[h]);
+          m[mt][h] = mx[h];
+          l[mt][h] *= alpha[h];
         }
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            s[mt][nt][i] = exp2f(s[mt][nt][i] - base[i >> 1]);
+            l[mt][i >> 1] += s[mt][nt][i];
+          }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          o[mt][nt][0] *= alpha[0];
+          o[mt][nt][1] *= alpha[0];
+          o[mt][nt][2] *= alpha[1];
+          o[mt][nt][3] *= alpha[1];
+        }
       }
-      // O += P V, 16 positions a k-step: P from the scores' registers, V's rows by ldmatrix.trans.
+      // O += P V, 16 positions a k-step: P from the scores' registers, V's rows by ldmatrix.trans (each fragment
+      // serves every m-tile).
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-        add_pv<T>(o, pa, v_s + (kk * 16 + (lane & 15)) * rs + (lane >> 4) * 8);
+        uint32_t pa[kM][4];
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt) {
+          pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+        const T* v_ptr = v_s + (kk * 16 + (lane & 15)) * rs + (lane >> 4) * 8;
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          uint32_t b[4];
+          ptx::ldmatrix_x4_trans(b, v_ptr + np * 16);
+#pragma unroll
+          for (int mt = 0; mt < kM; ++mt) {
+            mma16816<T>(o[mt][2 * np], pa[mt], b[0], b[1]);
+            mma16816<T>(o[mt][2 * np + 1], pa[mt], b[2], b[3]);
+          }
+        }
       }
     }
     ring.keep(t + ring.stages, ahead);
@@ -708,32 +760,37 @@ __global__ void __launch_bounds__(kThreads, 4) paged_prefill_mma_kernel(PagedPar
 
   // Each row's sum over its four lanes, then the warp's rows out.
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1, kGroup);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2, kGroup);
-    if (last[h] < 0) continue;
-    const int r = warp * kMmaRows + g + 8 * h;
-    const float inv = 1.f / l[h];
-    T* out =
-        static_cast<T*>(p.out) + ((static_cast<int64_t>(job.y) + r / group) * p.heads + w.h0 + r % group) * kDimV;
+  for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-      const int col = nt * 8 + 2 * t4;
-      out[col] = from_float<T>(o[nt][2 * h] * inv);
-      out[col + 1] = from_float<T>(o[nt][2 * h + 1] * inv);
+    for (int h = 0; h < 2; ++h) {
+      l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 1, kGroup);
+      l[mt][h] += __shfl_xor_sync(0xffffffffu, l[mt][h], 2, kGroup);
+      if (last[mt][h] < 0) continue;
+      const int r = warp * kWarpRows + mt * kMmaRows + g + 8 * h;
+      const float inv = 1.f / l[mt][h];
+      T* out = static_cast<T*>(p.out) +
+               ((static_cast<int64_t>(job.y) + r / group) * p.heads + w.h0 + r % group) * kDimV;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const int col = nt * 8 + 2 * t4;
+        out[col] = from_float<T>(o[mt][nt][2 * h] * inv);
+        out[col + 1] = from_float<T>(o[mt][nt][2 * h + 1] * inv);
+      }
     }
-  }
 }
 #endif  // ATOM_PAGED_MMA
 
-// Merges the splits of one (head, row) (merge_splits, kernel_common.h). grid (heads, rows), block kMergeThreads.
+// Merges the splits of one (head, row) (merge_splits, kernel_common.h), if the row took more than one.
+// grid (heads, rows), block kMergeThreads.
 template <typename OutT>
 __global__ void __launch_bounds__(kMergeThreads) paged_combine_kernel(PagedParams p) {
   pdl_enter();
   const int h = blockIdx.x, S = p.num_splits;
   const int64_t row = blockIdx.y;
+  const int splits = row_splits(p, load_index(p.seq_lens, row, p.sl64));
+  if (splits == 1) return;
   merge_splits(p.lse_part + row * S * p.heads + h, p.heads, p.o_part + (row * S * p.heads + h) * p.dim,
-               static_cast<int64_t>(p.heads) * p.dim, S, p.dim,
+               static_cast<int64_t>(p.heads) * p.dim, splits, p.dim,
                static_cast<OutT*>(p.out) + (row * p.heads + h) * p.dim);
 }
 
@@ -819,13 +876,13 @@ const char* launch_paged(PagedParams p, int64_t rows, cudaStream_t stream) {
 }
 
 #ifdef ATOM_PAGED_MMA
-template <typename T>
+template <typename T, int kM>
 const char* launch_prefill(PagedParams p, const int4* work, int64_t num_work, cudaStream_t stream) {
   p.stages = kDefaultStages;
-  const int smem = prefill_smem_bytes<T>(p.dim, p.stages);
-  void (*kernel)(PagedParams, const int4*) = p.dim == 64    ? paged_prefill_mma_kernel<T, 64, 64>
-                                               : p.dim == 128 ? paged_prefill_mma_kernel<T, 128, 128>
-                                                              : paged_prefill_mma_kernel<T, 192, 128>;  // v: 128
+  const int smem = prefill_smem_bytes<T>(p.dim, p.stages, kM * kPrefillRows);
+  void (*kernel)(PagedParams, const int4*) = p.dim == 64    ? paged_prefill_mma_kernel<T, 64, 64, kM>
+                                               : p.dim == 128 ? paged_prefill_mma_kernel<T, 128, 128, kM>
+                                                              : paged_prefill_mma_kernel<T, 192, 128, kM>;  // v: 128
   if (const cudaError_t err = allow_smem(kernel, smem); err != cudaSuccess) return cudaGetErrorString(err);
   const dim3 grid(static_cast<unsigned>(num_work), static_cast<unsigned>(p.kv_heads));
   launch_kernel(kernel, grid, kThreads, static_cast<size_t>(smem), stream, p, work);
@@ -965,13 +1022,15 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                                    uintptr_t block_tables, int64_t block_table_stride, int block_table_dtype,
                                    uintptr_t seq_lens, int seq_lens_dtype, uintptr_t out, uintptr_t o_part,
                                    uintptr_t lse_part, int64_t rows, int64_t heads, int64_t kv_heads,
-                                   int64_t head_dim, int64_t num_splits, int64_t stages, double scale, int dtype,
-                                   int out_dtype, uintptr_t stream) {
+                                   int64_t head_dim, int64_t num_splits, int64_t split_min_tiles, int64_t stages,
+                                   double scale, int dtype, int out_dtype, uintptr_t stream) {
   if (rows < 0 || heads < 1 || kv_heads < 1 || block_size < 1 || head_dim < 1)
     return "paged_decode_attention: needs rows >= 0 and heads, kv_heads, head_dim, block_size >= 1";
   if (heads % kv_heads != 0) return "paged_decode_attention: heads must be a multiple of kv_heads";
   if (head_dim > kMaxDim) return "paged_decode_attention: head_dim must be <= 256";
   if (num_splits < 1 || num_splits > 1024) return "paged_decode_attention: num_splits must be in 1..1024";
+  if (split_min_tiles < 1 || split_min_tiles > INT32_MAX)
+    return "paged_decode_attention: split_min_tiles must be >= 1";
   if (stages < 0 || stages > kMaxStages) return "paged_decode_attention: stages must be 0 (automatic) or 1..3";
   if (rows > 65535 || heads > 65535) return "paged_decode_attention: rows and heads must be <= 65535";
   const bool idx_ok = (block_table_dtype == kInt32 || block_table_dtype == kInt64) &&
@@ -1001,6 +1060,7 @@ const char* paged_decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_c
                       static_cast<int>(kv_heads),
                       static_cast<int>(head_dim),
                       static_cast<int>(num_splits),
+                      static_cast<int>(split_min_tiles),
                       static_cast<float>(scale),
                       static_cast<int>(stages),
                       false};
@@ -1019,8 +1079,8 @@ const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_
                                     double scale, int dtype, uintptr_t stream) {
   if (num_work < 0 || heads < 1 || kv_heads < 1 || block_size < 1 || heads % kv_heads != 0)
     return "paged_prefill_attention: needs num_work >= 0, block_size >= 1 and heads a multiple of kv_heads >= 1";
-  if (queries_per_item < 1 || queries_per_item * (heads / kv_heads) > kPrefillRows)
-    return "paged_prefill_attention: a work item's queries times the group must be 1..64 rows";
+  if (queries_per_item < 1 || queries_per_item * (heads / kv_heads) > 2 * kPrefillRows)
+    return "paged_prefill_attention: a work item's queries times the group must be 1..128 rows";
   if (block_table_dtype != kInt32 && block_table_dtype != kInt64)
     return "paged_prefill_attention: block_tables must be int32 or int64";
   if (num_work > INT32_MAX || kv_heads > 65535) return "paged_prefill_attention: too many work items or kv heads";
@@ -1048,12 +1108,16 @@ const char* paged_prefill_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_
   p.kv_heads = static_cast<int>(kv_heads);
   p.dim = static_cast<int>(head_dim);
   p.num_splits = 1;
+  p.split_min_tiles = 1;
   p.scale = static_cast<float>(scale);
   p.vec = true;
   const int4* items = reinterpret_cast<const int4*>(work);
   cudaStream_t st = as_stream(stream);
-  return dtype == kBFloat16 ? launch_prefill<bf16_t>(p, items, num_work, st)
-                            : launch_prefill<fp16_t>(p, items, num_work, st);
+  if (queries_per_item * (heads / kv_heads) > kPrefillRows)  // 128-row blocks
+    return dtype == kBFloat16 ? launch_prefill<bf16_t, 2>(p, items, num_work, st)
+                              : launch_prefill<fp16_t, 2>(p, items, num_work, st);
+  return dtype == kBFloat16 ? launch_prefill<bf16_t, 1>(p, items, num_work, st)
+                            : launch_prefill<fp16_t, 1>(p, items, num_work, st);
 #else
   (void)stream;
   return "paged_prefill_attention: needs an NVIDIA GPU";

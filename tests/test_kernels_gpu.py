@@ -10,6 +10,7 @@ that matches its reference computes what the model computes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -779,6 +780,15 @@ def test_split_by_pairs_leaves_sequences_of_sdpa_pairs_or_more_to_sdpa():
     assert split_by_pairs(starts, seq_lens, [3, 0, 1, 2]) == ((3, 1), (0, 2))  # 1500 fresh: 1.13M pairs
 
 
+def test_prefill_block_rows_widen_past_head_dim_128(monkeypatch):
+    """128-row prefill blocks for MLA's expanded q/k rows (192), 64-row ones for dense heads; BLOCK_ROWS forces."""
+    import atom.ops.cuda.paged_attention as paged
+
+    assert [paged.prefill_block_rows(d) for d in (64, 128, 192)] == [64, 64, 128]
+    monkeypatch.setattr(paged, "BLOCK_ROWS", 128)
+    assert paged.prefill_block_rows(64) == 128
+
+
 def test_wave_splits_fills_waves_or_keeps_rows_whole():
     """Flash-decoding's split count: none for a grid that fills enough of the GPU, else the fewest splits whose
     waves are within 5% of the fullest."""
@@ -791,6 +801,23 @@ def test_wave_splits_fills_waves_or_keeps_rows_whole():
     assert wave_splits(8, 528, 4) == 4  # no more splits than a row has tiles
     assert wave_splits(8, 528, 1) == 1
     assert wave_splits(0, 528, 128) == 1
+
+
+def test_paged_splits_past_one_wave_split_only_long_rows(monkeypatch):
+    """Dense decode's splits: wave_splits (any row may split) while the grid fits in one wave; past it, at head_dim
+    128 and up, three splits of at least 16 tiles each for long rows (32 tiles of 32 positions or more), none for
+    short ones or smaller heads."""
+    import atom.ops.cuda.paged_attention as paged
+
+    monkeypatch.setattr(paged, "_blocks_per_sm", lambda *a: 5)  # 660 slots on 132 SMs
+    choose = functools.partial(paged.choose_paged_splits, heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                               sms=132)  # fmt: skip
+    assert choose(64, max_seq_len=8192) == (1, 1)  # 512 blocks: over half a wave
+    assert choose(8, max_seq_len=8192)[1] == 1 and choose(8, max_seq_len=8192)[0] > 1  # 64 blocks
+    assert choose(96, max_seq_len=8192) == (3, 16)  # 768 blocks
+    assert choose(96, max_seq_len=993) == (3, 16)  # 32 tiles
+    assert choose(96, max_seq_len=992) == (1, 1)
+    assert choose(96, max_seq_len=8192, head_dim=64) == (1, 1)  # smaller heads keep whole rows
 
 
 @gpu
@@ -823,6 +850,36 @@ def test_paged_decode_attention(dtype, H, Hkv, D, block_size, lens, splits, out_
     assert rel_err(out, expected) < tol
     empty = seq_lens.cuda() == 0
     assert torch.equal(out[empty].cpu(), torch.zeros_like(out[empty].cpu()))
+
+
+@gpu
+@pytest.mark.parametrize("D", [128, 36])  # tensor cores; CUDA cores
+def test_paged_decode_attention_splits_only_rows_long_enough(D):
+    """With split_min_tiles, a row takes one of the grid's splits for each that many tiles of 32 positions (at
+    least one, at most num_splits): a row of one split is written whole, the others merged from only the splits
+    they took. Every partial buffer starts as NaN, so a merge that read a split its row did not write would show."""
+    from atom.ops.cuda._launch import dtype_code
+
+    lens = [0, 1, 63, 64, 100, 128, 200, 1000]  # tiles 0, 1, 2, 2, 4, 4, 7, 32: splits 1, 1, 1, 1, 2, 2, 3, 4
+    splits, H, Hkv, bs = 4, 8, 2, 16
+    torch.manual_seed(D)
+    k_cache, v_cache, tables = _kv_caches(lens, bs, Hkv, D, torch.bfloat16)
+    q = _rand(len(lens), H, D, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, D**-0.5)
+    q, k_cache, v_cache, tables, seq_lens = (x.cuda() for x in (q, k_cache, v_cache, tables, seq_lens))
+    out = torch.full((len(lens), H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o_part = torch.full((len(lens), splits, H, D), float("nan"), device="cuda")
+    lse = torch.full((len(lens), splits, H), float("nan"), device="cuda")
+    get_C().paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        bs, tables.data_ptr(), tables.stride(0), dtype_code(tables.dtype), seq_lens.data_ptr(),
+        dtype_code(seq_lens.dtype), out.data_ptr(), o_part.data_ptr(), lse.data_ptr(), len(lens), H, Hkv, D, splits,
+        2, 0, D**-0.5, dtype_code(torch.bfloat16), dtype_code(torch.bfloat16), torch.cuda.current_stream().cuda_stream)
+    assert rel_err(out, expected) < TOL[torch.bfloat16]
+    assert torch.equal(out[0].cpu(), torch.zeros_like(out[0].cpu()))
+    taken = lse.isfinite().all(-1).sum(-1).tolist()  # the splits each row wrote (lse finite: a non-empty split)
+    assert taken == [0, 0, 0, 0, 2, 2, 3, 4]  # rows of one split write out directly, no partial
 
 
 @gpu
@@ -912,12 +969,16 @@ def _prefill_case(query_lens, context_lens, block_size, Hkv, D, dtype, poison=Fa
         (torch.float16, 16, 2, 128, 16, [200, 40], [1, 2000]),  # group 8, fp16
     ],
 )
-def test_paged_prefill_attention(dtype, H, Hkv, D, block_size, query_lens, context_lens):
+@pytest.mark.parametrize("block_rows", [64, 128])
+def test_paged_prefill_attention(dtype, H, Hkv, D, block_size, query_lens, context_lens, block_rows, monkeypatch):
     """One launch attends every prefill chunk of a step (causal, after its cached context) as the reference does,
-    reads no cache slot past a sequence's end (NaN there), and leaves the other sequences' rows alone."""
+    in blocks of 64 or 128 (query, head) rows, reads no cache slot past a sequence's end (NaN there), and leaves
+    the other sequences' rows alone."""
+    import atom.ops.cuda.paged_attention as paged
     from atom.ops.cuda.paged_attention import paged_prefill_attention, prefill_kernel_applies
     from atom.ops.paged_attention import paged_attention
 
+    monkeypatch.setattr(paged, "BLOCK_ROWS", block_rows)
     torch.manual_seed(H + D + len(query_lens))
     k_cache, v_cache, md = _prefill_case(query_lens, context_lens, block_size, Hkv, D, dtype, poison=True)
     q = _rand(sum(query_lens), H, D, dtype=dtype)

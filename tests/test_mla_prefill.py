@@ -116,12 +116,16 @@ def test_mla_prefill_hands_the_shorter_sequences_to_the_kernel(monkeypatch):
         ([2700, 5, 0], [400, 64, 1500], (1,)),  # 1.16M and 1.13M causal pairs: SDPA; the middle one: the kernel
     ],
 )
-def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, on_the_kernel, monkeypatch):
+@pytest.mark.parametrize("block_rows", [64, 128])
+def test_mla_prefill_on_a_gpu_in_bf16(contexts, new, on_the_kernel, block_rows, monkeypatch):
     """At Kimi-Linear's sizes the kernel attends the step's sequences of fewer than SDPA_PAIRS causal pairs in one
-    launch and torch's fused attention the others; both give the absorbed reference's values."""
+    launch (in blocks of 64 or 128 rows) and torch's fused attention the others; both give the absorbed
+    reference's values."""
+    import atom.ops.cuda.paged_attention as paged
     import atom.ops.mla as mla_ops
     from atom.ops.cuda._launch import kernels_apply
 
+    monkeypatch.setattr(paged, "BLOCK_ROWS", block_rows)
     sent = []
     kernel = mla_ops.expanded_prefill_attention
     monkeypatch.setattr(mla_ops, "expanded_prefill_attention", lambda *a: (sent.append(tuple(a[5])), kernel(*a))[1])

@@ -30,6 +30,13 @@ from atom.ops.paged_attention import paged_prefill_attention_sdpa
 # On the H200 (GPU_NOTES, session 36) batch 64 at head_dim 64 and 1024 positions ran at 58.4% of the copy ceiling
 # whole, 49.2% in two splits and 44.3% in four; at 0.8 (MLA's rule) its grid (512 blocks, 660 slots) would split.
 _HEADS_PER_BLOCK, _TILE, _MIN_FILL = 8, 32, 0.5
+# Past one wave, at head_dim 128 and up, long rows split in three, each split at least 16 tiles (512 positions);
+# each row takes only the splits its length allows (row_splits in csrc/paged_attention.cu), since CUDA graphs size
+# the grid by max_model_len. On the H200 at head_dim 128, batch 96-192, in a graph (GPU_NOTES, session 38): rows of
+# 2048 and 8192 positions 1.06-1.28x faster than whole, of 1024 1.00-1.15x; rows of 128 and 512 (one split each)
+# 0.89-0.95x, for the idle blocks and the merge's launch (3-8 us). At head_dim 64 it lost 6-23% up to 1024
+# positions and gained 8% at 4096, so smaller heads keep whole rows. head_dim 256 was not measured.
+_LONG_SPLITS, _SPLIT_MIN_TILES = 3, 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,12 +45,16 @@ def _blocks_per_sm(head_dim: int, heads_per_block: int, dtype: torch.dtype) -> i
 
 
 def choose_paged_splits(rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
-                        sms: int) -> int:  # fmt: skip
-    """How many blocks share a row's positions (``wave_splits`` over this kernel's grid)."""
+                        sms: int) -> tuple[int, int]:  # fmt: skip
+    """How many blocks share a row's positions, and the fewest tiles a split of a row takes: ``wave_splits`` over
+    this kernel's grid (any row splits) up to one wave; past it, ``_LONG_SPLITS`` for long rows of large heads."""
     group = heads // kv_heads
     blocks = rows * kv_heads * -(-group // _HEADS_PER_BLOCK)
     slots = sms * _blocks_per_sm(head_dim, min(group, _HEADS_PER_BLOCK), dtype)
-    return wave_splits(blocks, slots, -(-max_seq_len // _TILE), _MIN_FILL)
+    max_tiles = -(-max_seq_len // _TILE)
+    if blocks > slots and head_dim >= 128 and max_tiles >= 2 * _SPLIT_MIN_TILES:
+        return _LONG_SPLITS, _SPLIT_MIN_TILES
+    return wave_splits(blocks, slots, max_tiles, _MIN_FILL), 1
 
 
 def paged_decode_attention(
@@ -57,6 +68,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
+    split_min_tiles: int = 1,
     stages: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -67,7 +79,8 @@ def paged_decode_attention(
     over SMs without a host sync; by default the block table's capacity. out_dtype: the cache's dtype
     (default) or float32; or ``out`` (contiguous [T, H, D], its dtype wins) is written. stages: tiles of K and V
     in the kernel's shared-memory ring, 1-3 (0: two up to head_dim 128, else one, or one where two do not fit; the
-    others are there to test and measure).
+    others are there to test and measure). num_splits (with split_min_tiles: a row takes only as many splits as
+    give each that many tiles of 32 positions) forces the split of long rows, else ``choose_paged_splits``.
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
@@ -93,7 +106,8 @@ def paged_decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_paged_splits(rows, heads, kv_heads, dim, dtype, max_seq_len, num_sms(q.device))
+        num_splits, split_min_tiles = choose_paged_splits(rows, heads, kv_heads, dim, dtype, max_seq_len,
+                                                          num_sms(q.device))  # fmt: skip
     if out is None:
         out = torch.empty(rows, heads, dim, dtype=out_dtype, device=q.device)
     elif tuple(out.shape) != (rows, heads, dim) or not out.is_contiguous():
@@ -109,14 +123,21 @@ def paged_decode_attention(
             k_cache.stride(2), block_size, block_tables.data_ptr(), block_tables.stride(0),
             dtype_code(block_tables.dtype), seq_lens.data_ptr(), dtype_code(seq_lens.dtype), out.data_ptr(),
             o_part.data_ptr() if o_part is not None else 0, lse_part.data_ptr() if lse_part is not None else 0,
-            rows, heads, kv_heads, dim, num_splits, stages, float(scale), dtype_code(dtype), dtype_code(out_dtype),
+            rows, heads, kv_heads, dim, num_splits, split_min_tiles, stages, float(scale), dtype_code(dtype),
+            dtype_code(out_dtype),
             stream_of(q.device),
         )  # fmt: skip
     return out
 
 
-# csrc/paged_attention.cu: a prefill block serves 64 (query, head) rows of one kv head, 64 // group queries.
-_PREFILL_ROWS = 64
+# csrc/paged_attention.cu: a prefill block serves 64 or 128 (query, head) rows of one kv head (rows // group queries
+# a work item). A 128-row block reads each K and V fragment from shared memory once for twice the rows. On the H200
+# (GPU_NOTES, session 38) that made MLA's expanded form (q/k rows of 192) 1.14-1.54x faster on sequences of 512 to
+# 8192 tokens and cost nothing on short ones (0.99-1.00x at 64 x 64 and 16 x 32 after 1000); at head_dim 128 it
+# gained 1.03-1.13x on sequences of 1024 or more (most of which go to SDPA) but lost up to 0.79x on many short
+# ones (64 x 64), and at head_dim 64 it lost almost everywhere. So: 128 rows past head_dim 128.
+_PREFILL_ROWS, _WIDE_ROWS = 64, 128
+BLOCK_ROWS: int | None = None  # forces 64 or 128 rows a prefill block (bench, tests); None: as above
 # Sequences with at least this many causal (query, key) pairs go through SDPA on their own: flash attention's
 # kernels do a long sequence's work about 2.8x faster than ours (509 against 182 TFLOP/s for one 8192-token
 # prompt at head_dim 128 on the H200), which outweighs SDPA's fixed cost (about 150 us a sequence) from about a
@@ -150,6 +171,13 @@ def _split_by_pairs(starts: tuple[int, ...], seq_lens: tuple[int, ...], seqs: tu
                     sdpa_pairs: int) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
     short = tuple(b for b in seqs if causal_pairs(starts[b + 1] - starts[b], seq_lens[b]) < sdpa_pairs)
     return short, tuple(b for b in seqs if b not in short)
+
+
+def prefill_block_rows(qk_dim: int) -> int:
+    """(query, head) rows of the prefill kernel's blocks for q/k rows of qk_dim (``BLOCK_ROWS`` forces a choice)."""
+    if BLOCK_ROWS is not None:
+        return BLOCK_ROWS
+    return _WIDE_ROWS if qk_dim > 128 else _PREFILL_ROWS
 
 
 @functools.lru_cache(maxsize=16)  # every layer of a step asks for the same plan
@@ -201,7 +229,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     short, long = split_by_pairs(query_start_loc, seq_lens, seqs)
     if long:
         paged_prefill_attention_sdpa(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, long, scale, out)
-    per_item = _PREFILL_ROWS // (heads // kv_heads)
+    per_item = prefill_block_rows(dim) // (heads // kv_heads)
     work, num_work = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), short, per_item, q.device)
     strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
     _launch_prefill(q, k_cache.data_ptr(), v_cache.data_ptr(), strides, block_size, block_tables, work, num_work,
@@ -255,10 +283,11 @@ def expanded_prefill_attention(q: torch.Tensor, rows: torch.Tensor, firsts: Sequ
                          f"[{q.shape[0]}, {heads}, v]")
     if not q.is_contiguous() or q.data_ptr() % 16:
         q = q.clone(memory_format=torch.contiguous_format)
-    work, num_work = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), _PREFILL_ROWS, q.device)
+    per_item = prefill_block_rows(qk_dim)  # queries: a head a kv head
+    work, num_work = _prefill_plan(tuple(query_start_loc), tuple(seq_lens), tuple(seqs), per_item, q.device)
     row = heads * (v_dim + qk_dim)  # elements; a position's row is firsts[b] + position, whole
     _launch_prefill(q, rows.data_ptr() + v_dim * rows.element_size(), rows.data_ptr(), (row, row, v_dim + qk_dim),
-                    _WHOLE_SEQUENCE, _first_rows(tuple(firsts), q.device), work, num_work, _PREFILL_ROWS, out, heads,
+                    _WHOLE_SEQUENCE, _first_rows(tuple(firsts), q.device), work, num_work, per_item, out, heads,
                     scale)  # fmt: skip
 
 
