@@ -302,6 +302,16 @@ __device__ T* load_q(const PagedParams& p, const BlockWork& w, const KvRing<T>& 
   return q_s;
 }
 
+// The CUDA-core kernel's value item of this thread in round r: its head g and first of 4 columns c (quads: a
+// head row's groups of 4 columns).
+struct ValueItem {
+  int g, c;
+};
+__device__ __forceinline__ ValueItem value_item(int r, int quads) {
+  const int item = static_cast<int>(threadIdx.x) + kThreads * r;
+  return {item / quads, (item % quads) * 4};
+}
+
 // CUDA cores. grid (kv_heads * ceil(group / kMaxHeads), rows, splits), kThreads threads,
 // paged_smem_bytes(..., mma = false) of shared memory.
 template <typename T, typename OutT>
@@ -370,8 +380,7 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
     // Values: thread item (head, 4 columns) of kValueRounds rounds.
 #pragma unroll
     for (int r = 0; r < kValueRounds; ++r) {
-      const int item = static_cast<int>(threadIdx.x) + kThreads * r;
-      const int g = item / quads, c = (item % quads) * 4;
+      const auto [g, c] = value_item(r, quads);
       if (g >= nh) continue;
       const float alpha = alpha_s[g];
 #pragma unroll
@@ -406,8 +415,7 @@ __global__ void __launch_bounds__(kThreads, 6) paged_decode_kernel(PagedParams p
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < kValueRounds; ++r) {
-    const int item = static_cast<int>(threadIdx.x) + kThreads * r;
-    const int g = item / quads, c = (item % quads) * 4;
+    const auto [g, c] = value_item(r, quads);
     if (g >= nh) continue;
     const float inv = 1.f / l_s[g];
     for (int i = 0; i < 4 && c + i < p.dim; ++i) {
