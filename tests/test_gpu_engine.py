@@ -413,8 +413,9 @@ def test_gpu_prefill_chunk_steps_do_not_wait_for_the_stream(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     cpu = LLM(path, dtype="float32", max_num_batched_tokens=16).generate([prompt], params, use_tqdm=False)
     llm = LLM(path, dtype="float32", device="cuda", max_num_batched_tokens=16, async_scheduling=False)
-    # A first request loads every kernel of these steps: CUDA loads a kernel's module at its first launch (lazy
-    # loading), which waits for the stream; run first in a process, the timed chunks below failed on that alone.
+    # A first request launches every kernel of these steps once. Run early in a process, without it, the first
+    # chunk below waited for the stream every time (GPU_NOTES, session 38: likely CUDA's lazy loading of a kernel's
+    # module at its first launch); after it, the chunks show only what the step itself waits for.
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == cpu[0].outputs[0].token_ids
     core = llm.engine
     core.add_request(core.make_request(prompt, params, request_id="1"))
