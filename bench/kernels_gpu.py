@@ -897,6 +897,9 @@ def main() -> None:
     cases += [(f"paged_splits D=64 B={b} ctx={c} s={s}/{t}", lambda b=b, c=c, s=s, t=t: bench_paged(
         C, b, c, dim=64, splits=s, min_tiles=t, graph=True)) for b in (128, 256) for c in (128, 1024, 4096)
         for s, t in forced[:3]]  # fmt: skip
+    cases += [(f"paged_splits D=256 B={b} ctx={c} s={s}/{t}", lambda b=b, c=c, s=s, t=t: bench_paged(
+        C, b, c, dim=256, splits=s, min_tiles=t, graph=True)) for b in (64, 96, 128) for c in (128, 512, 1024, 4096)
+        for s, t in forced[:3]]  # fmt: skip
     for dim in (128, 64):  # Llama-3-8B's and Llama-3.2-1B's heads (32 and 8 kv)
         cases += [(f"paged_prefill {n}x{t} ctx={c} D={dim}", lambda n=n, t=t, c=c, d=dim: bench_paged_prefill(
             n, t, c, dim=d)) for n, t, c in ((64, 64, 0), (16, 512, 0), (4, 2048, 0), (1, 8192, 0), (1, 512, 3584),

@@ -805,8 +805,8 @@ def test_wave_splits_fills_waves_or_keeps_rows_whole():
 
 def test_paged_splits_past_one_wave_split_only_long_rows(monkeypatch):
     """Dense decode's splits: wave_splits (any row may split) while the grid fits in one wave; past it, at head_dim
-    128 and up, three splits of at least 16 tiles each for long rows (32 tiles of 32 positions or more), none for
-    short ones or smaller heads."""
+    128 and up, when its waves are under 90% full, three splits of at least 16 tiles each for long rows (32 tiles of
+    32 positions or more), none for short ones, smaller heads or nearly full waves."""
     import atom.ops.cuda.paged_attention as paged
 
     monkeypatch.setattr(paged, "_blocks_per_sm", lambda *a: 5)  # 660 slots on 132 SMs
@@ -818,6 +818,7 @@ def test_paged_splits_past_one_wave_split_only_long_rows(monkeypatch):
     assert choose(96, max_seq_len=993) == (3, 16)  # 32 tiles
     assert choose(96, max_seq_len=992) == (1, 1)
     assert choose(96, max_seq_len=8192, head_dim=64) == (1, 1)  # smaller heads keep whole rows
+    assert choose(164, max_seq_len=8192) == (1, 1)  # 1312 blocks: two waves 99% full
 
 
 @gpu

@@ -30,13 +30,15 @@ from atom.ops.paged_attention import paged_prefill_attention_sdpa
 # On the H200 (GPU_NOTES, session 36) batch 64 at head_dim 64 and 1024 positions ran at 58.4% of the copy ceiling
 # whole, 49.2% in two splits and 44.3% in four; at 0.8 (MLA's rule) its grid (512 blocks, 660 slots) would split.
 _HEADS_PER_BLOCK, _TILE, _MIN_FILL = 8, 32, 0.5
-# Past one wave, at head_dim 128 and up, long rows split in three, each split at least 16 tiles (512 positions);
-# each row takes only the splits its length allows (row_splits in csrc/paged_attention.cu), since CUDA graphs size
-# the grid by max_model_len. On the H200 at head_dim 128, batch 96-192, in a graph (GPU_NOTES, session 38): rows of
-# 2048 and 8192 positions 1.06-1.28x faster than whole, of 1024 1.00-1.15x; rows of 128 and 512 (one split each)
-# 0.89-0.95x, for the idle blocks and the merge's launch (3-8 us). At head_dim 64 it lost 6-23% up to 1024
-# positions and gained 8% at 4096, so smaller heads keep whole rows. head_dim 256 was not measured.
-_LONG_SPLITS, _SPLIT_MIN_TILES = 3, 16
+# Past one wave, at head_dim 128 and up, a grid that fills under 90% of its waves' slots splits long rows in three,
+# each split at least 16 tiles (512 positions); each row takes only the splits its length allows (row_splits in
+# csrc/paged_attention.cu), since CUDA graphs size the grid by max_model_len. On the H200, in a graph (GPU_NOTES,
+# session 38), head_dim 128 at batch 96-192 (waves 58-78% full): rows of 2048 and 8192 positions 1.06-1.28x faster
+# than whole, of 1024 1.00-1.15x; rows of 128 and 512 (one split each) 0.89-0.95x, for the idle blocks and the
+# merge's launch (3-8 us). Head_dim 256 at batch 96 (73% full): 1.10-1.11x at 1024 and 4096, 0.95-0.97x at 128 and
+# 512; at batch 128 (97% full) it lost everywhere (0.94-0.98x). At head_dim 64 it lost 6-23% up to 1024 positions
+# and gained 8% at 4096, so smaller heads keep whole rows.
+_LONG_SPLITS, _SPLIT_MIN_TILES, _FULL_WAVES = 3, 16, 0.9
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,12 +49,14 @@ def _blocks_per_sm(head_dim: int, heads_per_block: int, dtype: torch.dtype) -> i
 def choose_paged_splits(rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
                         sms: int) -> tuple[int, int]:  # fmt: skip
     """How many blocks share a row's positions, and the fewest tiles a split of a row takes: ``wave_splits`` over
-    this kernel's grid (any row splits) up to one wave; past it, ``_LONG_SPLITS`` for long rows of large heads."""
+    this kernel's grid (any row splits) up to one wave; past it, ``_LONG_SPLITS`` for long rows of large heads
+    when the last wave is far from full."""
     group = heads // kv_heads
     blocks = rows * kv_heads * -(-group // _HEADS_PER_BLOCK)
     slots = sms * _blocks_per_sm(head_dim, min(group, _HEADS_PER_BLOCK), dtype)
     max_tiles = -(-max_seq_len // _TILE)
-    if blocks > slots and head_dim >= 128 and max_tiles >= 2 * _SPLIT_MIN_TILES:
+    past_one_wave = blocks > slots and head_dim >= 128 and max_tiles >= 2 * _SPLIT_MIN_TILES
+    if past_one_wave and blocks / (-(-blocks // slots) * slots) < _FULL_WAVES:  # of its waves' slots
         return _LONG_SPLITS, _SPLIT_MIN_TILES
     return wave_splits(blocks, slots, max_tiles, _MIN_FILL), 1
 
@@ -133,9 +137,10 @@ def paged_decode_attention(
 # csrc/paged_attention.cu: a prefill block serves 64 or 128 (query, head) rows of one kv head (rows // group queries
 # a work item). A 128-row block reads each K and V fragment from shared memory once for twice the rows. On the H200
 # (GPU_NOTES, session 38) that made MLA's expanded form (q/k rows of 192) 1.14-1.54x faster on sequences of 512 to
-# 8192 tokens and cost nothing on short ones (0.99-1.00x at 64 x 64 and 16 x 32 after 1000); at head_dim 128 it
-# gained 1.03-1.13x on sequences of 1024 or more (most of which go to SDPA) but lost up to 0.79x on many short
-# ones (64 x 64), and at head_dim 64 it lost almost everywhere. So: 128 rows past head_dim 128.
+# 8192 tokens and about as fast on short ones (16 x 32 after 1000: 0.99-1.00x; 64 x 64, host-bound: 1.00x and
+# 0.90x in two runs). At head_dim 128 it gained 1.03-1.13x on sequences of 1024 or more (most of which go to SDPA)
+# but lost up to 0.79x on many short ones (64 x 64), and at head_dim 64 it lost almost everywhere. So: 128 rows
+# past head_dim 128.
 _PREFILL_ROWS, _WIDE_ROWS = 64, 128
 BLOCK_ROWS: int | None = None  # forces 64 or 128 rows a prefill block (bench, tests); None: as above
 # Sequences with at least this many causal (query, key) pairs go through SDPA on their own: flash attention's
