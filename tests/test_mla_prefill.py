@@ -61,6 +61,22 @@ def test_mla_prefill_equals_the_absorbed_reference(contexts, new, dtype):
     torch.testing.assert_close(out[layout.token_ids], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
+def test_gather_seqs_is_each_sequences_gather_one_after_another(device):
+    """One gather for a step's sequences (any order, a subset, lengths across and inside blocks) gives what a
+    gather a sequence then a concatenation gives."""
+    from atom.ops.paged_attention import gather_seq, gather_seqs
+
+    md, cache, _, _ = _step([0, 13, 1, 40, 2], [7, 2, 11, 5, 1], torch.float32, seed=11, device=device)
+    seqs = [3, 0, 2, 4]  # seq_lens 45, 7, 12, 3
+    lens = [md.seq_lens[b] for b in seqs]
+    expected = torch.cat([gather_seq(cache, md.block_tables[b], n) for b, n in zip(seqs, lens)])
+    assert torch.equal(gather_seqs(cache, md.block_tables, seqs, lens), expected)
+    assert torch.equal(gather_seqs(cache, md.block_tables, [1], [md.seq_lens[1]]),
+                       gather_seq(cache, md.block_tables[1], md.seq_lens[1]))  # fmt: skip
+
+
 def test_mla_prefill_writes_only_its_sequences_rows():
     """A step's prefills are written, its other rows (decode rows, handled elsewhere) left alone."""
     md, cache, q, kv_b = _step([0, 5, 3], [6, 1, 4], torch.float32, seed=7)

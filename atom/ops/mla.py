@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from atom.forward_context import AttentionMetadata
 from atom.ops import PaddedLayout
 from atom.ops.cuda.paged_attention import expanded_kernel_applies, expanded_prefill_attention, split_by_pairs
-from atom.ops.paged_attention import gather_seq
+from atom.ops.paged_attention import gather_seqs
 
 
 def write_latent_cache(latent_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -109,8 +109,7 @@ def mla_prefill(
     nope = kv_b_weight.shape[0] // heads - v_dim
     seqs = list(seqs)
     lens = [md.seq_lens[b] for b in seqs]
-    parts = [gather_seq(latent_cache, md.block_tables[b], n) for b, n in zip(seqs, lens)]
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum of lens, r + rope]
+    rows = gather_seqs(latent_cache, md.block_tables, seqs, lens)  # [sum of lens, r + rope]
     kv = F.linear(rows[:, :rank], kv_b_weight).view(-1, heads, nope + v_dim)
     k_rot = rows[:, None, rank:].expand(-1, heads, rows.shape[-1] - rank)
     firsts = [0] * md.num_seqs  # sequence b's first row in rows

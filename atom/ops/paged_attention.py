@@ -15,13 +15,15 @@ read back from the cache after this step's K/V were written.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from atom.forward_context import AttentionMetadata
+from atom.forward_context import AttentionMetadata, upload
 
 
 def write_kv_cache(
@@ -40,6 +42,27 @@ def gather_seq(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> 
     """One sequence's first seq_len tokens from the cache -> [seq_len, num_kv_heads, head_dim]."""
     num_blocks = -(-seq_len // cache.shape[1])
     return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+def gather_seqs(cache: torch.Tensor, block_tables: torch.Tensor, seqs: Sequence[int],
+                seq_lens: Sequence[int]) -> torch.Tensor:  # fmt: skip
+    """Sequences seqs[i]'s first seq_lens[i] tokens from the cache, one after another -> [sum, ...]: one gather
+    whatever the count (the rows' block-table entries looked up on the device), where a gather a sequence would
+    cost a step of many short sequences several launches each. Nothing here waits for the device."""
+    if len(seqs) == 1:
+        return gather_seq(cache, block_tables[seqs[0]], seq_lens[0])
+    where = _row_lookup(tuple(seqs), tuple(seq_lens), cache.shape[1], cache.device)
+    slots = block_tables[where[0], where[1]] * cache.shape[1] + where[2]
+    return cache.flatten(0, 1)[slots]
+
+
+@functools.lru_cache(maxsize=16)  # every layer of a step asks for the same rows
+def _row_lookup(seqs: tuple[int, ...], seq_lens: tuple[int, ...], block_size: int,
+                device: torch.device) -> torch.Tensor:  # fmt: skip
+    """[3, sum(seq_lens)] int64 on ``device``: each row's sequence, block-table column and offset in its block."""
+    seq = np.repeat(np.asarray(seqs, np.int64), seq_lens)
+    pos = np.arange(len(seq)) - np.repeat(np.cumsum([0, *seq_lens[:-1]]), seq_lens)
+    return upload(np.stack([seq, pos // block_size, pos % block_size]), torch.int64, device)
 
 
 def _causal_mask(context_len: int, query_len: int, seq_len: int, device) -> torch.Tensor:
