@@ -116,7 +116,7 @@ def main() -> None:
             print(f"{batch:>5} {r + 1:>5} | {a_tps:>10.0f} {b_tps:>10.0f} {a_tps / b_tps:>5.2f} | "
                   f"{a_ms:>12.3f} {b_ms:>13.3f} {b_ms / a_ms:>5.2f}", flush=True)  # fmt: skip
         settings["on"]()
-        del engines
+        engines = None  # the engines go (not del: closures above read the name)
         torch.cuda.empty_cache()
 
 

@@ -160,7 +160,7 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
         seconds = min(decode_span(run(1 + new_tokens)) for _ in range(repeats))
     else:
         seconds = decode_seconds(run, new_tokens, repeats)
-    del llm
+    llm = None  # the engine goes (not del: run() reads the name)
     gc.collect()  # the next engine's weights need this one's memory back (98 GB at --shape 48b)
     torch.cuda.empty_cache()
     return batch * new_tokens / seconds

@@ -4,12 +4,14 @@
     python bench/dense_decode_gpu.py --reference-too --batches 1,16 --output-len 16
 
 The model is a random Llama-3.2-1B-shaped checkpoint (hidden 2048, 16 layers, 32 query heads and 8 KV
-heads of 64, MLP 8192, vocab 32000, bf16), written once to --ckpt. Tokens/s as in bench/decode_gpu.py
-(whose helpers this uses): batch * N over the time of N new tokens after the first, the fastest of --repeats
-runs, ATOM with its GPU defaults (CUDA graphs, async scheduling). transformers' time is a run with N more
-tokens minus a one-token run; ATOM's is the batch's decode span from its requests' metrics (last first token
-to last finish), because its prefill-only run (64 prompts, one SDPA call each) takes longer than the decode it
-would be subtracted from at batch 64 (GPU_NOTES.md, session 36). The roofline is the bytes one decode step
+heads of 64, MLP 8192, vocab 32000, bf16), written once to --ckpt; ``--shape 8b`` takes Llama-3.1-8B's shape
+(hidden 4096, 32 layers, 32 query heads and 8 KV heads of 128, MLP 14336, vocab 128256), and with ``--skip-hf``
+writes its config only and ATOM draws random weights on the GPU (load_format="dummy"). Tokens/s as in
+bench/decode_gpu.py (whose helpers this uses): batch * N over the time of N new tokens after the first, the
+fastest of --repeats runs, ATOM with its GPU defaults (CUDA graphs, async scheduling). transformers' time is a
+run with N more tokens minus a one-token run; ATOM's is the batch's decode span from its requests' metrics (last
+first token to last finish), because its prefill-only run (64 prompts, one SDPA call each) takes longer than the
+decode it would be subtracted from at batch 64 (GPU_NOTES.md, session 36). The roofline is the bytes one decode step
 must read and write (the weights but the embedding table, and each sequence's K and V) over the copy
 ceiling measured here.
 
@@ -20,6 +22,10 @@ through the torch reference (before session 35), in the same process.
 ``--prefill`` also times prefill-only runs (every prompt with one new token, in one step): the step's prefill
 chunks through ``paged_prefill_attention``'s kernel (as now) against SDPA a sequence at a time (before session 37),
 in the same process.
+
+``--long-splits-ab`` also times ATOM's decode with the past-one-wave split of long rows turned off
+(``choose_paged_splits`` in ``atom/ops/cuda/paged_attention.py``; head_dim 128 and up, so ``--shape 8b``): two
+engines, each capturing its graphs with its own rule, the ratio printed per batch.
 
 ``--reference-too`` also runs ATOM the way a dense model ran before ``paged_decode_attention``
 (session 34): its attention through the torch reference (a loop over the sequences) and no CUDA
@@ -40,19 +46,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_gpu import atom_decode_tps, copy_gbps, hf_decode_tps, timed  # noqa: E402
 
-SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-             num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
-             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TOKENS = dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SHAPES = {
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, **_TOKENS),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+               rope_theta=500000.0, **_TOKENS),
+}
+SHAPE = SHAPES["1b"]  # the shape in use (main sets it from --shape)
 
 
-def make_model(path: str):
-    """The random checkpoint on the GPU in bf16, saved to ``path`` (reused when present)."""
+def make_model(path: str, on_gpu: bool = True):
+    """The random checkpoint on the GPU in bf16, saved to ``path`` (reused when present). With ``on_gpu`` False:
+    only its config is written (ATOM loads it with load_format="dummy") and the model is returned on the meta
+    device, for its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    config = LlamaConfig(**SHAPE)
+    if not on_gpu:
+        config.save_pretrained(path)
+        with torch.device("meta"):
+            return LlamaForCausalLM(config).to(torch.bfloat16)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16).eval()
-    if not os.path.exists(os.path.join(path, "config.json")):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")) and not os.path.exists(
+            os.path.join(path, "model.safetensors")):  # fmt: skip
         model.save_pretrained(path)
     return model
 
@@ -79,6 +99,20 @@ def reference_attention():
         yield
     finally:
         attention.kernels, LlamaForCausalLM.supports_cuda_graphs = saved
+
+
+@contextlib.contextmanager
+def no_long_splits():
+    """Decode grids past one wave keep every row whole, as before session 38 (the engines built inside capture
+    their graphs with it)."""
+    import atom.ops.cuda.paged_attention as paged
+
+    saved = paged._FULL_WAVES
+    paged._FULL_WAVES = 0.0  # no grid fills under 0% of its waves' slots
+    try:
+        yield
+    finally:
+        paged._FULL_WAVES = saved
 
 
 @contextlib.contextmanager
@@ -166,7 +200,11 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--ckpt", default="/tmp/atom_llama_1b")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--ckpt", help="model folder (default: /tmp/atom_llama_1b, /tmp/atom_llama_8b)")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers run; with --shape 8b, no checkpoint on disk")
+    p.add_argument("--long-splits-ab", action="store_true",
+                   help="also ATOM with the past-one-wave split of long rows off (head_dim >= 128: --shape 8b)")
     p.add_argument("--repeats", type=int, default=5, help="runs of each length, both engines; the fastest counts")
     p.add_argument("--reference-too", action="store_true", help="also ATOM's former dense path (one run each)")
     p.add_argument("--mixed", action="store_true",
@@ -174,8 +212,13 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true",
                    help="also prefill-only runs: the prefill kernel vs SDPA a sequence at a time")
     args = p.parse_args()
+    global SHAPE
+    SHAPE = SHAPES[args.shape]
+    args.ckpt = args.ckpt or f"/tmp/atom_llama_{args.shape}"
+    dummy = args.skip_hf and args.shape != "1b"  # the 1b checkpoint is small enough to write
     ceiling = copy_gbps()
-    model = make_model(args.ckpt)
+    model = make_model(args.ckpt, on_gpu=not dummy)
+    load_format = "dummy" if dummy else "auto"
     params = sum(x.numel() for x in model.parameters())
     print(f"device {torch.cuda.get_device_name()}, copy ceiling {ceiling:.0f} GB/s, Llama {params / 1e9:.2f}B "
           f"params, bf16, {args.input_len} prompt + {args.output_len} new tokens", flush=True)
@@ -184,16 +227,22 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = torch.randint(3, SHAPE["vocab_size"], (batch, args.input_len), generator=gen).tolist()
         atom = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=args.repeats,
-                               span=True)
+                               span=True, load_format=load_format)  # fmt: skip
+        if args.long_splits_ab:
+            with no_long_splits():
+                whole = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True,
+                                        repeats=args.repeats, span=True, load_format=load_format)  # fmt: skip
+            print(f"batch {batch}: long rows split past one wave {atom:.0f} tok/s, kept whole {whole:.0f} tok/s: "
+                  f"{atom / whole:.3f}x", flush=True)
         before = None
         if args.reference_too:
             with reference_attention():
                 before = atom_decode_tps(args.ckpt, prompts, args.output_len, async_scheduling=True, repeats=1,
                                          span=True)
-        hf = hf_decode_tps(model, prompts, args.output_len, repeats=args.repeats)
+        hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len, repeats=args.repeats)
         roof = batch / (step_bytes(model, batch, args.input_len + args.output_len // 2) / (ceiling * 1e9))
         rows.append((batch, atom, before, hf, roof))
-        print(f"batch {batch}: atom {atom:.0f}, former path {before}, transformers {hf:.0f} tok/s", flush=True)
+        print(f"batch {batch}: atom {atom:.0f}, former path {before}, transformers {hf} tok/s", flush=True)
     if args.mixed:
         shape = dict(decoders=16, prefills=16, prompt_len=1024, chunk=512, new_tokens=64, repeats=args.repeats)
         now = mixed_seconds(args.ckpt, **shape)
@@ -213,8 +262,8 @@ def main() -> None:
     for batch, atom, before, hf, roof in rows:
         former = f"{before:>9.0f}" if before else f"{'-':>9}"
         gain = f"{atom / before:>10.1f}x" if before else f"{'-':>11}"
-        print(f"{batch:>5} {atom:>11.0f} {former} {hf:>9.0f} {atom / hf:>7.2f}x {gain} {roof:>9.0f} "
-              f"{atom / roof:>8.1%}")
+        versus = f"{hf:>9.0f} {atom / hf:>7.2f}x" if hf else f"{'-':>9} {'-':>8}"
+        print(f"{batch:>5} {atom:>11.0f} {former} {versus} {gain} {roof:>9.0f} {atom / roof:>8.1%}")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def prefill_seconds(path: str, prompts: list[list[int]], budget: int, var: str, 
         else:
             os.environ[var] = before
     assert llm.engine.all_resources_free()
-    del llm
+    llm = None  # the engine goes (not del: run() reads the name)
     torch.cuda.empty_cache()
     return {form: sorted(t)[1] for form, t in times.items()}
 

@@ -79,7 +79,7 @@ def profile_batch(path: str, batch: int, new_tokens: int, top: int, load_format:
     enqueue, device_ms = _replay_split(graphs, size)
     greedy = graphs._launch(size).greedy[:batch]
     sample = _ms_per_call(lambda: greedy.tolist())
-    del llm, runner, graphs, greedy
+    llm = runner = graphs = greedy = None  # the engine goes (not del: a lambda above reads greedy)
     overlapped = _step_ms(fresh_llm(True), prompts, new_tokens)
     host = step - replay - sample
     print(f"== batch {batch} (graph size {size}): step {step:.3f} ms ({batch / step * 1e3:.0f} tok/s), "

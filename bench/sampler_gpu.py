@@ -120,7 +120,7 @@ def decode_ab(batches: list[int], rounds: int, new_tokens: int = 128, input_len:
                 sampler_module.sample_tokens = samplers["kernel"]
                 print(f"{name:<18} {batch:>5} {r + 1:>5} | {got['kernel']:>12.0f} {got['torch']:>11.0f} | "
                       f"{got['kernel'] / got['torch']:>5.2f}", flush=True)  # fmt: skip
-        del llm
+        llm = None  # the engine goes (not del: run() reads the name)
         torch.cuda.empty_cache()
 
 
