@@ -559,7 +559,8 @@ def bench_moe_route(C, tokens: int, experts: int, top_k: int) -> dict:
 
 
 def bench_mla(
-    C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None, kernel: int = 0
+    C, batch: int, context: int, heads: int = 32, block_size: int = 16, splits: int | None = None, kernel: int = 0,
+    graph: bool = False,
 ) -> dict:
     bf16 = torch.bfloat16
     rank, rope = 512, 64
@@ -589,7 +590,7 @@ def bench_mla(
 
     moved = batch * context * (rank + rope) * 2 + batch * heads * (rank + rope + rank) * 2  # cache, q, out
     flops = batch * heads * context * 2 * (rank + rope + rank)
-    times = timings(make, moved)
+    times = timings(make, moved, graph)
     name = f"mla_decode B={batch} ctx={context} bs={block_size} splits={splits} k={kernel}"
     return {"op": name, "bytes": moved, **times, "tflops": flops / times["us"] / 1e6}
 
@@ -880,6 +881,12 @@ def main() -> None:
         ("mla_decode B=64 ctx=4096 bs=16 splits=1", lambda: bench_mla(C, 64, 4096, splits=1)),
         ("mla_decode B=64 ctx=4096 bs=16 splits=4", lambda: bench_mla(C, 64, 4096, splits=4)),
     ]
+    # MLA decode as a decode graph runs it: splits sized for max_model_len (32768 here), against those for the
+    # rows' own length (a row's tiles go to its first splits; the others are empty blocks and empty partials).
+    sms = _num_sms(torch.device("cuda"))
+    cases += [(f"mla_max_len B={b} ctx={c} {w}", lambda b=b, c=c, n=n: bench_mla(
+        C, b, c, splits=choose_num_splits(b, 32, n, sms, True), graph=True))
+        for b in (1, 4, 16, 64) for c in (256, 1024, 4096) for w, n in (("own", c), ("32768", 32768))]  # fmt: skip
     for dim, kv_heads in ((128, 8), (64, 8)):  # Llama-3-8B's attention; Llama-3.2-1B's
         cases += [(f"paged_decode B={b} ctx={c} D={dim}", lambda b=b, c=c, d=dim, k=kv_heads: bench_paged(
             C, b, c, kv_heads=k, dim=d)) for c in (256, 1024, 4096) for b in batches]  # fmt: skip
