@@ -63,7 +63,7 @@ def make_model(path: str, on_gpu: bool = True):
     device, for its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPE)
+    config = LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"])
     if not on_gpu:
         config.save_pretrained(path)
         with torch.device("meta"):
