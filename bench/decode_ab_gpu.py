@@ -4,6 +4,7 @@
     python bench/decode_ab_gpu.py --switch pdl       # kernels with programmatic dependent launch, or without
     python bench/decode_ab_gpu.py --switch kda_gate_proj  # KDA's gate projections in one kernel, or three
     python bench/decode_ab_gpu.py --switch fold_shared  # the shared expert in the every-expert matmuls, or not
+    python bench/decode_ab_gpu.py --switch short_graphs --max-model-len 32768  # decode graphs for short rows too
     python bench/decode_ab_gpu.py --batches 1 --rounds 5 --eager
 
 Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
@@ -11,9 +12,13 @@ Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
 (``gemv``: ``atom.ops.cuda.linear.GEMV_MAX_TOKENS`` at its default; ``pdl``:
 ``atom._C.set_programmatic_launch(True)``; ``kda_gate_proj``:
 ``atom.ops.cuda.fused.KDA_GATE_PROJ_MAX_TOKENS`` at its default;
-``fold_shared``: ``atom.layers.moe.FOLD_SHARED``), one with it off (the limit
-at 0: every linear on ``F.linear``; launches without the attribute; two
-linears and ``kda_gate``; the shared expert as its own MLP). Each round
+``fold_shared``: ``atom.layers.moe.FOLD_SHARED``; ``short_graphs``:
+``atom.worker.cuda_graph.SHORT_CONTEXT`` at its default, so that steps of short
+rows replay graphs whose attention splits are sized for them), one with it off
+(the limit at 0: every linear on ``F.linear``; launches without the attribute;
+two linears and ``kda_gate``; the shared expert as its own MLP; one set of
+graphs sized for max_model_len). ``--max-model-len`` (default: the prompt and
+new tokens) sizes the engines, and the checkpoint takes that many positions. Each round
 times both, in turn, the order alternating; the setting is switched with the
 engine, so the steps outside the graphs (prefill) follow it too. Decode tok/s as in
 decode_gpu.py: batch * N / (t(1 + N new tokens) - t(1 new token)); and the
@@ -39,13 +44,16 @@ from atom.ops._C_loader import get_C  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--switch", choices=("gemv", "pdl", "kda_gate_proj", "fold_shared"), default="gemv")
+    p.add_argument("--switch", choices=("gemv", "pdl", "kda_gate_proj", "fold_shared", "short_graphs"),
+                   default="gemv")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="both engines with enforce_eager (no CUDA graphs)")
-    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--max-model-len", type=int, help="the engines' (default: input + output + 8)")
+    p.add_argument("--ckpt", help="model folder (default: /tmp/atom_kimi_1p3b, or with --max-model-len over the "
+                                  "model's 4096 positions /tmp/atom_kimi_1p3b_<positions>)")
     args = p.parse_args()
     if not torch.cuda.is_available() or get_C() is None or not hasattr(get_C(), "gemv"):
         sys.exit("bench/decode_ab_gpu.py needs a CUDA GPU and atom._C built with gemv "
@@ -54,10 +62,17 @@ def main() -> None:
     from atom import LLM, SamplingParams
     from atom.ops.cuda import fused as fused_mod
     from atom.ops.cuda import linear as linear_mod
-    from bench.decode_gpu import make_model, timed
+    from atom.worker import cuda_graph
+    from bench.decode_gpu import make_model, model_config, timed
     from bench.profile_decode_gpu import _replay_split
 
-    make_model(args.ckpt)
+    max_len = args.max_model_len or args.input_len + args.output_len + 8
+    config = model_config("1.3b")
+    if max_len > config.max_position_embeddings:
+        config.max_position_embeddings = max_len
+        args.ckpt = args.ckpt or f"/tmp/atom_kimi_1p3b_{max_len}"
+    args.ckpt = args.ckpt or "/tmp/atom_kimi_1p3b"
+    make_model(args.ckpt, config)
     torch.cuda.empty_cache()
     C, limit = get_C(), linear_mod.GEMV_MAX_TOKENS
     if args.switch == "gemv":
@@ -68,6 +83,10 @@ def main() -> None:
 
         settings = {"on": lambda: setattr(moe_mod, "FOLD_SHARED", True),
                     "off": lambda: setattr(moe_mod, "FOLD_SHARED", False)}  # fmt: skip
+    elif args.switch == "short_graphs":
+        short = cuda_graph.SHORT_CONTEXT
+        settings = {"on": lambda: setattr(cuda_graph, "SHORT_CONTEXT", short),
+                    "off": lambda: setattr(cuda_graph, "SHORT_CONTEXT", 1 << 62)}  # fmt: skip
     elif args.switch == "kda_gate_proj":
         proj_limit = fused_mod.KDA_GATE_PROJ_MAX_TOKENS
         settings = {"on": lambda: setattr(fused_mod, "KDA_GATE_PROJ_MAX_TOKENS", proj_limit),
@@ -89,7 +108,7 @@ def main() -> None:
         for name, apply in settings.items():  # each engine captures its graphs with its own setting
             apply()
             engines[name] = LLM(args.ckpt, dtype="bfloat16", device="cuda", max_num_seqs=batch,
-                                max_model_len=args.input_len + args.output_len + 8,
+                                max_model_len=max_len,
                                 max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
                                 enforce_eager=args.eager, kv_cache_memory=2 << 30)  # fmt: skip
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from atom import LLM, SamplingParams
+from atom.worker import cuda_graph
 from atom.worker.cuda_graph import DecodeGraphs, capture_sizes
 from tests import checkpoints
 
@@ -27,10 +28,13 @@ class EagerDecodeGraphs(DecodeGraphs):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.launched: list[int] = []
+        self.launches: list[tuple[int, int]] = []  # (bound, the longest row's positions) of each launch
 
-    def _launch(self, size: int) -> torch.Tensor:
+    def _launch(self, size: int, bound: int | None = None) -> torch.Tensor:
+        bound = self.bounds[0] if bound is None else bound
         self.launched.append(size)
-        return self._forward(size)
+        self.launches.append((bound, int(self.rows[cuda_graph.SEQ_LENS, :size].max())))
+        return self._forward(size, bound)
 
 
 @pytest.fixture
@@ -81,6 +85,35 @@ def test_static_buffer_forward_matches_eager(tmp_path, kernel_shaped_layers, var
     assert _generate(llm) == eager
     assert graphs.launched and max(graphs.launched) == 4
     assert llm.engine.all_resources_free()
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_steps_replay_the_graphs_of_the_shortest_bound_over_their_rows(kimi_ckpt, kernel_shaped_layers, monkeypatch,
+                                                                       steps):  # fmt: skip
+    """Over SHORT_CONTEXT positions of max_model_len, each size has a graph for short rows and one for long ones;
+    a step (a multi-step round: its last step) replays the short one while its rows fit, and gives the tokens the
+    plain runner gives."""
+    monkeypatch.setattr(cuda_graph, "SHORT_CONTEXT", 12)
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 64}
+    prompts = [{"prompt_token_ids": p} for p in ([3, 4, 5], [7] * 4, [11])]  # 12 new tokens: 13-16 positions
+    want = [o.outputs[0].token_ids for o in LLM(kimi_ckpt, **kwargs).generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(kimi_ckpt, num_scheduler_steps=steps, **kwargs)
+    graphs = _graphs_on(llm)
+    assert graphs.bounds == (12, 64)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert all(longest <= bound for bound, longest in graphs.launches)
+    assert {bound for bound, _ in graphs.launches} == {12, 64}
+    shortest = min(longest for bound, longest in graphs.launches if bound == 64)
+    assert shortest > 12 - steps + 1  # long graphs only once a row (in the round) passes 12
+    assert llm.engine.all_resources_free()
+
+
+@pytest.mark.parametrize("max_model_len, bounds", [(64, (64,)), (65, (64, 65)), (32, (32,))])
+def test_a_second_set_of_graphs_only_past_short_context(kimi_ckpt, monkeypatch, max_model_len, bounds):
+    monkeypatch.setattr(cuda_graph, "SHORT_CONTEXT", 64)
+    llm = LLM(kimi_ckpt, dtype="float32", max_num_seqs=2, max_model_len=max_model_len)
+    runner = llm.engine.runner
+    assert EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device).bounds == bounds
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -217,10 +250,10 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
             outside.append(step_on_graphs[0])
         return compute_logits(hidden)
 
-    def flagged_launch(size):
+    def flagged_launch(size, bound=None):
         in_graph[0] = True
         try:
-            return launch(size)
+            return launch(size, bound)
         finally:
             in_graph[0] = False
 

@@ -112,6 +112,28 @@ def test_gpu_cuda_graphs_match_eager_and_cpu_reference(tmp_path, graph_replays, 
     assert graphs == sync == eager == cpu
 
 
+@pytest.mark.parametrize("kind", ["kimi", "llama"])
+def test_gpu_graphs_for_short_and_long_rows_match_cpu_reference(tmp_path, monkeypatch, kind):
+    """With max_model_len past SHORT_CONTEXT each batch size has a graph for short rows (attention's splits sized
+    for SHORT_CONTEXT positions) and one for long rows; steps move from the first to the second as their rows
+    grow, and the tokens are the CPU reference path's."""
+    from atom.worker import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "SHORT_CONTEXT", 32)
+    launches = []
+    inner = cuda_graph.DecodeGraphs._launch
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_launch",
+                        lambda self, size, bound=None: launches.append(bound) or inner(self, size, bound))
+    if kind == "kimi":
+        path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
+    else:
+        path = checkpoints.make_llama_checkpoint(str(tmp_path), "llama", tokenizer=False)
+    cpu = _generate(path, max_model_len=128)
+    graphs = _generate(path, device="cuda", max_num_seqs=4, max_model_len=128)
+    assert set(launches) == {32, 128}  # prompts of 1-25 tokens, 40 new each
+    assert graphs == cpu
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, graph_replays, kind):
     """A dense model's GQA attention decodes with paged_decode_attention, eagerly and in CUDA graphs, and

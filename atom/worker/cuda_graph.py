@@ -5,7 +5,15 @@ time, not the GPU, sets the pace. So at start-up (caches allocated) the
 runner captures the model's forward for batch sizes 1, 2, 4, ... up to the
 first >= max_num_seqs (at most 128, the MoE's dense-path bound), and a step
 whose rows are all pure decode (one token, no drafts, no prompt logprobs)
-replays the smallest graph that fits, its batch padded up. The graph ends
+replays the smallest graph that fits, its batch padded up.
+
+Each size is captured twice where max_model_len is over ``SHORT_CONTEXT``:
+for rows of up to that many positions and for rows of up to max_model_len.
+Attention sizes its split of long rows over SMs by that bound, and a graph
+sized for long rows runs short ones slower: on an H200, MLA decode at batch 1
+over 256 positions took 20.0 us a layer with the 126 splits chosen for 32768
+positions, 10.7 us with the 4 its own length takes (GPU_NOTES.md, session 39,
+call 3). A step replays the graph of the smallest bound over its rows'. The graph ends
 with the lm_head and the logits' argmax (a greedy step's tokens): on a slow
 host each of those launches costs as much as its kernel. Sampling and
 drafting stay outside the graph. ``--enforce-eager`` turns it off; the CPU
@@ -28,7 +36,7 @@ What makes the forward capturable (and must stay so): with the ``atom._C``
 kernels the layers' pure-decode path has no host sync, makes no tensor from
 host data and branches only on shapes and host metadata fixed per size: KDA
 takes the whole step as one decode group, MLA runs ``mla_decode`` with
-``max_seq_len`` = max_model_len (it only sizes the split of long sequences;
+``max_seq_len`` = the graph's bound (it only sizes the split of long sequences;
 the kernel reads each row's length from ``seq_lens``), MoE its dense path.
 """
 
@@ -51,6 +59,7 @@ from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LE
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+SHORT_CONTEXT = 2048  # the positions a row may reach in the short-context graphs (see above)
 # (positions in the step's input ids, int64 device tensor of the ids to write there)
 InputPatch = tuple[list[int], torch.Tensor]
 # rows of the static int64 buffer: INPUT_IDS, POSITIONS, ... SEQ_LENS (atom.ops.cuda.fused, shared with the kernel)
@@ -96,29 +105,33 @@ class DecodeGraphs:
         self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, largest)
         self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.long, device=device)
         self.host_tables = HostBlockTables(max(config.max_num_seqs, largest), self.max_blocks)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}
+        # the longest row (positions) each set of graphs serves, shortest first
+        self.bounds = (SHORT_CONTEXT, self.max_model_len) if self.max_model_len > SHORT_CONTEXT else (
+            self.max_model_len,)  # fmt: skip
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}  # (size, bound)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per size, largest first, sharing one memory pool; every column padding."""
+        """One graph per (size, bound), largest first, sharing one memory pool; every column padding."""
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: lazy initialisation (cuBLAS, kernel attributes) happens outside capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = self._forward(size)
-            self.graphs[size] = (graph, outputs)
+        for bound in reversed(self.bounds):
+            for size in reversed(self.sizes):
+                self._forward(size, bound)  # warm-up: lazy initialisation (cuBLAS, kernel attributes) outside capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self._forward(size, bound)
+                self.graphs[size, bound] = (graph, outputs)
         torch.cuda.synchronize(self.device)
 
-    def _forward(self, size: int) -> DecodeOutput:
+    def _forward(self, size: int, bound: int) -> DecodeOutput:
         cols = self.rows[:, :size]
-        # Host values describe the captured shape; max_model_len bounds every seq_len, which is
-        # all mla_decode needs from the host (to size its splits).
+        # Host values describe the captured shape; ``bound`` bounds every seq_len, which is all the
+        # attention kernels need from the host (to size their splits).
         meta = AttentionMetadata(
             query_start_loc=list(range(size + 1)),
-            context_lens=[self.max_model_len - 1] * size,
-            seq_lens=[self.max_model_len] * size,
+            context_lens=[bound - 1] * size,
+            seq_lens=[bound] * size,
             block_tables=self.tables[:size],
             slot_mapping=cols[SLOT_MAPPING],
             state_slots=cols[STATE_SLOTS],
@@ -153,7 +166,7 @@ class DecodeGraphs:
         buffers). ``patch``: input ids still on the device, written over theirs (a chained async
         step's placeholders, atom/worker/deferred.py)."""
         size, n = self._fill(input_ids, rows, patch), len(rows)
-        return DecodeOutput(*(x[:n] for x in self._launch(size)))
+        return DecodeOutput(*(x[:n] for x in self._launch(size, self.bound_for(rows))))
 
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
                      patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
@@ -163,12 +176,18 @@ class DecodeGraphs:
         Returns the tokens, int64 [num_steps, n] on the device."""
         n = len(rows)
         size = self._fill(input_ids, rows, patch)
+        bound = self.bound_for(rows, num_steps)  # the round's last step included
         tokens = torch.empty(num_steps, n, dtype=torch.long, device=self.device)
         for step in range(num_steps):
             if step:  # positions, slots and lengths one step on, input the tokens just sampled
                 advance_decode(self.rows, self.tables, tokens[step - 1], self.block_size)
-            tokens[step] = self._launch(size).greedy[:n]
+            tokens[step] = self._launch(size, bound).greedy[:n]
         return tokens
+
+    def bound_for(self, rows: list[ScheduledRequest], num_steps: int = 1) -> int:
+        """The smallest bound over every row's length in the next ``num_steps`` steps."""
+        longest = max(s.context_len for s in rows) + num_steps
+        return next((b for b in self.bounds if b >= longest), self.bounds[-1])
 
     def _fill(self, input_ids: list[int], rows: list[ScheduledRequest], patch: InputPatch | None) -> int:
         size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.sizes,
@@ -178,9 +197,10 @@ class DecodeGraphs:
             self.rows[INPUT_IDS, as_index(positions, self.device)] = values
         return size
 
-    def _launch(self, size: int) -> DecodeOutput:
-        """Replays the graph of this size over the static buffers; its output buffers (all ``size`` rows)."""
-        graph, outputs = self.graphs[size]
+    def _launch(self, size: int, bound: int | None = None) -> DecodeOutput:
+        """Replays the graph of this size and bound (by default the shortest: a short-context step's) over the
+        static buffers; its output buffers (all ``size`` rows)."""
+        graph, outputs = self.graphs[size, self.bounds[0] if bound is None else bound]
         graph.replay()
         return outputs
 
@@ -306,5 +326,6 @@ def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: 
     except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager decode
         logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(e).__name__, e)
         return None
-    logger.info("captured CUDA graphs of decode steps for batch sizes %s", ", ".join(map(str, graphs.sizes)))
+    logger.info("captured CUDA graphs of decode steps for batch sizes %s, rows of up to %s positions",
+                ", ".join(map(str, graphs.sizes)), " or ".join(map(str, graphs.bounds)))
     return graphs
