@@ -13,10 +13,11 @@ Attention sizes its split of long rows over SMs by that bound, and a graph
 sized for long rows runs short ones slower: on an H200, MLA decode at batch 1
 over 256 positions took 20.0 us a layer with the 126 splits chosen for 32768
 positions, 10.7 us with the 4 its own length takes (GPU_NOTES.md, session 39,
-call 3). A step replays the graph of the smallest bound over its rows'. The graph ends
-with the lm_head and the logits' argmax (a greedy step's tokens): on a slow
-host each of those launches costs as much as its kernel. Sampling and
-drafting stay outside the graph. ``--enforce-eager`` turns it off; the CPU
+call 3). A step replays the graph of the smallest bound that covers its rows.
+
+Each graph ends with the lm_head and the logits' argmax (a greedy step's
+tokens): on a slow host each of those launches costs as much as its kernel.
+Sampling and drafting stay outside the graph. ``--enforce-eager`` turns it off; the CPU
 always runs eagerly.
 
 The captured forward reads only static device buffers, which each step
