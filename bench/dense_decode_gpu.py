@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import glob
 import os
 import sys
 
@@ -71,8 +72,7 @@ def make_model(path: str, on_gpu: bool = True):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")) and not os.path.exists(
-            os.path.join(path, "model.safetensors")):  # fmt: skip
+    if not glob.glob(os.path.join(path, "*.safetensors")):  # a config alone (a --skip-hf run) is no checkpoint
         model.save_pretrained(path)
     return model
 
