@@ -5,6 +5,7 @@
     python bench/decode_ab_gpu.py --switch kda_gate_proj  # KDA's gate projections in one kernel, or three
     python bench/decode_ab_gpu.py --switch fold_shared  # the shared expert in the every-expert matmuls, or not
     python bench/decode_ab_gpu.py --switch short_graphs --max-model-len 32768  # decode graphs for short rows too
+    python bench/decode_ab_gpu.py --switch graphs_past_128 --batches 160,256,512  # graphs of 256 and 512 rows, or eager
     python bench/decode_ab_gpu.py --batches 1 --rounds 5 --eager
 
 Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
@@ -14,10 +15,11 @@ Two engines over bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model
 ``atom.ops.cuda.fused.KDA_GATE_PROJ_MAX_TOKENS`` at its default;
 ``fold_shared``: ``atom.layers.moe.FOLD_SHARED``; ``short_graphs``:
 ``atom.worker.cuda_graph.SHORT_CONTEXT`` at its default, so that steps of short
-rows replay graphs whose attention splits are sized for them), one with it off
+rows replay graphs whose attention splits are sized for them; ``graphs_past_128``:
+``atom.worker.cuda_graph.CAPTURE_SIZES`` up to 512), one with it off
 (the limit at 0: every linear on ``F.linear``; launches without the attribute;
 two linears and ``kda_gate``; the shared expert as its own MLP; one set of
-graphs sized for max_model_len). ``--max-model-len`` (default: the prompt and
+graphs sized for max_model_len; graphs up to 128 rows, larger steps eager). ``--max-model-len`` (default: the prompt and
 new tokens) sizes the engines, and the checkpoint takes that many positions. Each round
 times both, in turn, the order alternating; the setting is switched with the
 engine, so the steps outside the graphs (prefill) follow it too. Decode tok/s as in
@@ -44,8 +46,8 @@ from atom.ops._C_loader import get_C  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--switch", choices=("gemv", "pdl", "kda_gate_proj", "fold_shared", "short_graphs"),
-                   default="gemv")
+    p.add_argument("--switch", choices=("gemv", "pdl", "kda_gate_proj", "fold_shared", "short_graphs",
+                                        "graphs_past_128"), default="gemv")  # fmt: skip
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
@@ -87,6 +89,10 @@ def main() -> None:
         short = cuda_graph.SHORT_CONTEXT
         settings = {"on": lambda: setattr(cuda_graph, "SHORT_CONTEXT", short),
                     "off": lambda: setattr(cuda_graph, "SHORT_CONTEXT", 1 << 62)}  # fmt: skip
+    elif args.switch == "graphs_past_128":
+        sizes = cuda_graph.CAPTURE_SIZES
+        settings = {"on": lambda: setattr(cuda_graph, "CAPTURE_SIZES", sizes),
+                    "off": lambda: setattr(cuda_graph, "CAPTURE_SIZES", tuple(s for s in sizes if s <= 128))}  # fmt: skip
     elif args.switch == "kda_gate_proj":
         proj_limit = fused_mod.KDA_GATE_PROJ_MAX_TOKENS
         settings = {"on": lambda: setattr(fused_mod, "KDA_GATE_PROJ_MAX_TOKENS", proj_limit),
@@ -105,15 +111,16 @@ def main() -> None:
         prompts = [{"prompt_token_ids": q}
                    for q in torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()]  # fmt: skip
         engines = {}
+        cache = max(2 << 30, batch * (16 << 20))  # room for every request's ~12.6 MiB of KDA state
         for name, apply in settings.items():  # each engine captures its graphs with its own setting
             apply()
             engines[name] = LLM(args.ckpt, dtype="bfloat16", device="cuda", max_num_seqs=batch,
                                 max_model_len=max_len,
                                 max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
-                                enforce_eager=args.eager, kv_cache_memory=2 << 30)  # fmt: skip
+                                enforce_eager=args.eager, kv_cache_memory=cache)  # fmt: skip
 
         def measure(name: str) -> tuple[float, float]:
-            """(decode tok/s, ms of one decode-graph replay; nan with --eager)"""
+            """(decode tok/s, ms of one decode-graph replay; nan where the batch runs eagerly)"""
             llm, n_new = engines[name], args.output_len
             settings[name]()
 
@@ -125,7 +132,7 @@ def main() -> None:
             tn = sorted(timed(lambda: run(1 + n_new)) for _ in range(3))[1]
             graphs = llm.engine.runner.decode_graphs  # its buffers hold the last real step's rows
             replay = float("nan")
-            if graphs is not None:
+            if graphs is not None and batch <= graphs.sizes[-1]:
                 replay = _replay_split(graphs, next(s for s in graphs.sizes if s >= batch))[1]
             return batch * n_new / (tn - t1), replay
 

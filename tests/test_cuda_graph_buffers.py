@@ -66,7 +66,34 @@ def test_capture_sizes():
     assert capture_sizes(1) == (1,)
     assert capture_sizes(3) == (1, 2, 4)
     assert capture_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
-    assert capture_sizes(1000) == (1, 2, 4, 8, 16, 32, 64, 128)  # the MoE's dense-path bound
+    assert capture_sizes(200) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert capture_sizes(10_000) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # larger steps run eagerly
+    assert capture_sizes(10_000, lambda size: size <= 128) == (1, 2, 4, 8, 16, 32, 64, 128)  # syncs past 128
+    assert capture_sizes(4, lambda size: False) == ()
+
+
+def test_graph_sizes_stop_where_the_decode_path_syncs(kimi_ckpt, llama_ckpt):
+    """Kimi-Linear's MoE runs up to 128 tokens without a host sync off Hopper's bf16 grouped matmuls (its dense
+    path), then loops over the experts; a dense Llama has no such bound."""
+    kimi = LLM(kimi_ckpt, dtype="float32", max_num_seqs=300)
+    model = kimi.engine.runner.model
+    assert model.graph_capturable(128) and not model.graph_capturable(129)
+    assert _graphs_on(kimi).sizes == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert _graphs_on(LLM(llama_ckpt, dtype="float32", max_num_seqs=300)).sizes[-1] == 512
+
+
+def test_every_graph_writes_its_logits_into_one_buffer(kimi_ckpt, kernel_shaped_layers, monkeypatch):
+    """Each (size, bound) graph's logits are rows [:size] of the one fp32 buffer, and equal the runner's own."""
+    monkeypatch.setattr(cuda_graph, "SHORT_CONTEXT", 12)
+    llm = LLM(kimi_ckpt, dtype="float32", max_num_seqs=8, max_model_len=64)
+    graphs = _graphs_on(llm)
+    assert graphs.logits.shape[0] == 8 and len(graphs.bounds) == 2
+    for bound in graphs.bounds:
+        for size in graphs.sizes:
+            out = graphs._forward(size, bound)
+            assert out.logits.data_ptr() == graphs.logits.data_ptr() and out.logits.shape[0] == size
+            torch.testing.assert_close(out.logits, llm.engine.runner.model.compute_logits(out.hidden), rtol=0, atol=0)
+            assert torch.equal(out.greedy, out.logits.argmax(dim=-1))
 
 
 def test_cpu_never_captures(kimi_ckpt):
@@ -245,10 +272,10 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
     in_graph, step_on_graphs, outside = [False], [False], []  # outside: (step on the graphs?) per lm_head call
     compute_logits, launch, execute = runner.model.compute_logits, graphs._launch, runner.execute_model
 
-    def counted_logits(hidden):
+    def counted_logits(hidden, out=None):
         if not in_graph[0]:
             outside.append(step_on_graphs[0])
-        return compute_logits(hidden)
+        return compute_logits(hidden, out=out)
 
     def flagged_launch(size, bound=None):
         in_graph[0] = True

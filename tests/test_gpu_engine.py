@@ -169,6 +169,46 @@ def test_gpu_dense_model_decodes_in_graphs_like_the_cpu(tmp_path, monkeypatch, g
     assert graphs == eager == spec == cpu
 
 
+# 200 prompts of 1-9 tokens, 8 new tokens each: decode steps of 200 rows (one prefill step before them)
+MANY_PROMPTS = [[3 + (7 * i + j) % 250 for j in range(1 + i % 9)] for i in range(200)]
+
+
+def _generate_many(path: str, dtype: str, **kwargs):
+    """MANY_PROMPTS' greedy tokens and the engine. max_model_len 32: every MLA row in one split, eagerly and in
+    the graphs, so that bf16 runs of the two compute the same sums."""
+    from atom import LLM
+
+    llm = LLM(path, dtype=dtype, max_num_seqs=200, max_num_batched_tokens=2048, max_model_len=32, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in MANY_PROMPTS], params, use_tqdm=False)
+    assert llm.engine.all_resources_free()
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_gpu_graphs_past_128_rows(tmp_path, graph_replays):
+    """Steps of 200 rows replay the graph of 256 where the model's decode path makes no host sync at 256 rows: a
+    dense Llama in fp32 (the CPU reference path's tokens) and Kimi-Linear in bf16 (its MoE's grouped matmuls; the
+    tokens of the same engine run eagerly). Kimi-Linear in fp32, whose MoE past 128 tokens loops over the experts,
+    captures up to 128 and decodes its 200 rows eagerly, with the CPU reference path's tokens."""
+    llama = checkpoints.make_llama_checkpoint(str(tmp_path / "llama"), "llama", tokenizer=False)
+    cpu, _ = _generate_many(llama, "float32")
+    gpu, llm = _generate_many(llama, "float32", device="cuda")
+    assert llm.engine.runner.decode_graphs.sizes[-1] == 256 and set(graph_replays) == {256}
+    assert gpu == cpu
+    kimi = checkpoints.make_kimi_checkpoint(str(tmp_path / "kimi"), "kda_mla", tokenizer=False)
+    graph_replays.clear()
+    eager, _ = _generate_many(kimi, "bfloat16", device="cuda", enforce_eager=True)
+    assert not graph_replays
+    gpu, llm = _generate_many(kimi, "bfloat16", device="cuda")
+    assert llm.engine.runner.decode_graphs.sizes[-1] == 256 and set(graph_replays) == {256}
+    assert gpu == eager
+    cpu, _ = _generate_many(kimi, "float32")
+    replays = len(graph_replays)
+    gpu, llm = _generate_many(kimi, "float32", device="cuda")
+    assert llm.engine.runner.decode_graphs.sizes[-1] == 128 and len(graph_replays) == replays
+    assert gpu == cpu
+
+
 # bf16 prefill tests: chunks after cached context (a 64-token budget), one step mixing several prompts.
 BF16_PROMPTS = [list(range(3, 140)), [5, 6, 7, 8] * 20, list(range(200, 237)), [9, 10], list(range(40, 104))]
 

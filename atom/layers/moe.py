@@ -98,7 +98,8 @@ def choose_path(tokens: int, top_k: int, num_experts: int, on_gpu: bool, grouped
 
 def grouped_mm_applies(x: torch.Tensor) -> bool:
     """torch's grouped matmul runs on CUDA for bf16 (Hopper and newer, and torch >= 2.8)."""
-    return x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and _is_hopper_or_newer(x.device.index)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and _is_hopper_or_newer(x.device.index))  # fmt: skip
 
 
 @functools.cache
@@ -327,6 +328,14 @@ class SparseMoE(nn.Module):
         self.experts.fuse(shared if fits else None)
         if not fits:
             shared.gate_up.stack()
+
+    def capturable(self, tokens: int) -> bool:
+        """Whether its GPU path for this many tokens makes no host sync (every path but the expert loop),
+        so that a CUDA graph can hold it. An expert's weight stands for the input: same dtype and device."""
+        weight = self.experts[0].w1.weight
+        path = choose_path(tokens, self.gate.top_k, len(self.experts), on_gpu=True,
+                           grouped_mm=grouped_mm_applies(weight))  # fmt: skip
+        return path != "loop"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

@@ -256,8 +256,15 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, V]; written into ``out`` [T, V] where given."""
+        logits = self.lm_head(hidden_states)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def graph_capturable(self, tokens: int) -> bool:
+        """Whether a pure-decode step of this many rows makes no host sync (atom.worker.cuda_graph): with the
+        atom._C kernels only the MoE layers' path depends on the row count."""
+        return all(layer.mlp.capturable(tokens) for layer in self.model.layers if isinstance(layer.mlp, SparseMoE))
 
     @property
     def num_mtp_layers(self) -> int:

@@ -106,8 +106,14 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden [T, hidden_size]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [T, V]; written into ``out`` [T, V] where given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def graph_capturable(self, tokens: int) -> bool:
+        """A pure-decode step of any size makes no host sync with the atom._C kernels (atom.worker.cuda_graph)."""
+        return True
 
     def cache_specs(self) -> dict[int, PagedKVSpec]:
         return {i: layer.self_attn.attn.kv_cache_spec(self.dtype) for i, layer in enumerate(self.model.layers)}

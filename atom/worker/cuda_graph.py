@@ -3,9 +3,12 @@
 A decode step launches ~800 small kernels; at small batches the host's launch
 time, not the GPU, sets the pace. So at start-up (caches allocated) the
 runner captures the model's forward for batch sizes 1, 2, 4, ... up to the
-first >= max_num_seqs (at most 128, the MoE's dense-path bound), and a step
-whose rows are all pure decode (one token, no drafts, no prompt logprobs)
-replays the smallest graph that fits, its batch padded up.
+first >= max_num_seqs (at most 512), and a step whose rows are all pure
+decode (one token, no drafts, no prompt logprobs) replays the smallest graph
+that fits, its batch padded up. Sizes stop where the model's decode path
+would sync with the host (``model.graph_capturable``): Kimi-Linear's MoE
+past 128 tokens runs grouped matmuls where torch has them (bf16 on Hopper)
+and an expert loop elsewhere.
 
 Each size is captured twice where max_model_len is over ``SHORT_CONTEXT``:
 for rows of up to that many positions and for rows of up to max_model_len.
@@ -17,7 +20,10 @@ call 3). A step replays the graph of the smallest bound that covers its rows.
 
 Each graph ends with the lm_head and the logits' argmax (a greedy step's
 tokens): on a slow host each of those launches costs as much as its kernel.
-Sampling and drafting stay outside the graph. ``--enforce-eager`` turns it off; the CPU
+Sampling and drafting stay outside the graph. Every graph writes its logits
+into the first rows of one fp32 buffer [S, V] (at Kimi-Linear's 163840-token
+vocabulary a graph of 512 rows alone would hold 335 MB of them): a step reads
+them before the next step's replay, as it must for a graph replayed twice. ``--enforce-eager`` turns it off; the CPU
 always runs eagerly.
 
 The captured forward reads only static device buffers, which each step
@@ -44,7 +50,7 @@ the kernel reads each row's length from ``seq_lens``), MoE its dense path.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -52,14 +58,13 @@ import torch
 from atom.config import EngineConfig
 from atom.engine.scheduler_output import ScheduledRequest
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context, upload
-from atom.layers.moe import DENSE_MAX_TOKENS
 from atom.ops._C_loader import use_kernels
 from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_OUT_SLOTS,
                                  STATE_SLOTS, advance_decode)
 
 logger = logging.getLogger(__name__)
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SHORT_CONTEXT = 2048  # the positions a row may reach in the short-context graphs (see above)
 # (positions in the step's input ids, int64 device tensor of the ids to write there)
 InputPatch = tuple[list[int], torch.Tensor]
@@ -72,19 +77,20 @@ WHOLE_TABLE_ROWS_MAX_IDS = 16384
 
 
 class DecodeOutput(NamedTuple):
-    """A decode graph's outputs, rows [:n] of its static output buffers: valid until that graph's next
-    replay, so only work queued on the stream before it may read them."""
+    """A decode graph's outputs, rows [:n] of its static output buffers: valid until the next replay of
+    any decode graph (they share the logits buffer), so only work queued on the stream before it may
+    read them."""
 
     hidden: torch.Tensor  # [n, D] the model's last hidden states
     logits: torch.Tensor  # [n, V] float32, the lm_head's
     greedy: torch.Tensor  # [n] int64, the logits' argmax
 
 
-def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, ... up to the first size >= max_num_seqs, none above DENSE_MAX_TOKENS."""
+def capture_sizes(max_num_seqs: int, capturable: Callable[[int], bool] = lambda size: True) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the first size >= max_num_seqs, while ``capturable(size)`` holds."""
     sizes = []
     for size in CAPTURE_SIZES:
-        if size > DENSE_MAX_TOKENS:
+        if not capturable(size):
             break
         sizes.append(size)
         if size >= max_num_seqs:
@@ -99,13 +105,17 @@ class DecodeGraphs:
         self.model, self.caches, self.device = model, caches, device
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.sizes = capture_sizes(config.max_num_seqs)
+        self.sizes = capture_sizes(config.max_num_seqs, model.graph_capturable)
+        if not self.sizes:
+            raise ValueError(f"{type(model).__name__}'s decode path syncs with the host even at one row")
         largest = self.sizes[-1]
         # a request's block table never outgrows max_model_len (+ lookahead slots); wider steps run eagerly
         self.max_blocks = -(-(config.max_model_len + config.num_speculative_tokens + 1) // config.block_size) + 1
         self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, largest)
         self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.long, device=device)
         self.host_tables = HostBlockTables(max(config.max_num_seqs, largest), self.max_blocks)
+        # every graph's logits: rows [:size] of this buffer (module docstring)
+        self.logits = torch.empty(largest, model.lm_head.out_features, dtype=torch.float32, device=device)
         # the longest row (positions) each set of graphs serves, shortest first
         self.bounds = (SHORT_CONTEXT, self.max_model_len) if self.max_model_len > SHORT_CONTEXT else (
             self.max_model_len,)  # fmt: skip
@@ -146,7 +156,7 @@ class DecodeGraphs:
         meta.token_seq_ids = torch.arange(size, device=self.device)
         with set_forward_context(ForwardContext(meta, self.caches)):
             hidden = self.model(cols[INPUT_IDS], cols[POSITIONS])
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, out=self.logits[:size])
         return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
 
     def forget(self, request_ids) -> None:
@@ -318,7 +328,7 @@ def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: 
         logger.info("CUDA graphs off: the atom._C kernels are not in use, and the torch reference "
                     "layers sync with the host")
         return None
-    if not model.supports_cuda_graphs:
+    if not model.supports_cuda_graphs or not model.graph_capturable(1):
         logger.info("CUDA graphs off: %s's decode path is not capturable", type(model).__name__)
         return None
     graphs = DecodeGraphs(config, model, caches, device)
@@ -329,4 +339,8 @@ def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: 
         return None
     logger.info("captured CUDA graphs of decode steps for batch sizes %s, rows of up to %s positions",
                 ", ".join(map(str, graphs.sizes)), " or ".join(map(str, graphs.bounds)))
+    if config.max_num_seqs > graphs.sizes[-1]:
+        logger.info("decode steps of more than %d rows run eagerly (%s)", graphs.sizes[-1],
+                    "the largest size captured" if graphs.sizes[-1] == CAPTURE_SIZES[-1]
+                    else f"{type(model).__name__}'s decode path syncs with the host past it")  # fmt: skip
     return graphs
