@@ -23,8 +23,8 @@ tokens): on a slow host each of those launches costs as much as its kernel.
 Sampling and drafting stay outside the graph. Every graph writes its logits
 into the first rows of one fp32 buffer [S, V] (at Kimi-Linear's 163840-token
 vocabulary a graph of 512 rows alone would hold 335 MB of them): a step reads
-them before the next step's replay, as it must for a graph replayed twice. ``--enforce-eager`` turns it off; the CPU
-always runs eagerly.
+them before the next step's replay, as it must for a graph replayed twice.
+``--enforce-eager`` turns the graphs off; the CPU always runs eagerly.
 
 The captured forward reads only static device buffers, which each step
 overwrites before replay (S = the largest captured size)::
@@ -44,7 +44,8 @@ kernels the layers' pure-decode path has no host sync, makes no tensor from
 host data and branches only on shapes and host metadata fixed per size: KDA
 takes the whole step as one decode group, MLA runs ``mla_decode`` with
 ``max_seq_len`` = the graph's bound (it only sizes the split of long sequences;
-the kernel reads each row's length from ``seq_lens``), MoE its dense path.
+the kernel reads each row's length from ``seq_lens``), MoE a path chosen by
+the token count alone that never loops over the experts.
 """
 
 from __future__ import annotations
