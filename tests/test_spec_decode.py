@@ -63,6 +63,36 @@ def test_llama_greedy_unchanged_by_ngram(llama_ckpt, make_llm, overlap):
     assert sched.num_accepted_tokens > 0  # repetitive prompts give real acceptance
 
 
+def test_plain_greedy_rows_verify_through_one_lm_head(kimi_mtp_ckpt, make_llm):
+    """A step's plain greedy rows with drafts are verified from one lm_head call over all their positions (one
+    argmax, one copy to the host); a row with a repetition penalty is verified on its own. The tokens are those
+    of plain decoding with the same parameters."""
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
+    params = [GREEDY] * (len(PROMPTS) - 1) + [penalised]
+    want = _tokens(make_llm(kimi_mtp_ckpt).generate(_inputs(), params))
+    llm = make_llm(kimi_mtp_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    runner = llm.engine.runner
+    inner_verify, inner_logits = runner._verify, runner.model.compute_logits
+    calls, count = [], [0]  # calls: (plain greedy rows with drafts, rows with drafts, lm_head calls) per _verify
+
+    def counted_logits(*args, **kwargs):
+        count[0] += 1
+        return inner_logits(*args, **kwargs)
+
+    def counted_verify(rows, *rest):
+        count[0] = 0
+        drafted = [s for s in rows if s.draft_token_ids]
+        greedy = sum(runner.requests[s.request_id].plain_greedy for s in drafted)
+        inner_verify(rows, *rest)
+        calls.append((greedy, len(drafted), count[0]))
+
+    runner.model.compute_logits, runner._verify = counted_logits, counted_verify
+    assert _tokens(llm.generate(_inputs(), params)) == want
+    assert any(greedy >= 2 for greedy, _, _ in calls)
+    assert all(lm_heads == (greedy > 0) + (drafted - greedy) for greedy, drafted, lm_heads in calls)
+    assert any(drafted > greedy > 0 for greedy, drafted, _ in calls)  # a step with both kinds of rows
+
+
 def test_mtp_without_weights_is_a_clear_error(llama_ckpt):
     from atom import LLM
 

@@ -22,7 +22,7 @@ from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_d
 from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
-from atom.worker.spec_decode import emitted_logprobs, verify
+from atom.worker.spec_decode import accept_greedy, emitted_logprobs, verify
 
 
 def defers_tokens(config: EngineConfig, has_drafter: bool) -> bool:
@@ -305,11 +305,26 @@ class ModelRunner:
         return HostCopy(ids, host).wait()
 
     def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
-        """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode)."""
-        for i, s in enumerate(rows):
-            if not s.draft_token_ids:
-                continue
+        """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode).
+        The plain greedy rows (no penalties, no logprobs) share one lm_head, one argmax and one copy
+        to the host; the others go one by one."""
+        picked = [(i, s) for i, s in enumerate(rows) if s.draft_token_ids]
+        greedy = [(i, s) for i, s in picked if self.requests[s.request_id].plain_greedy]
+        if greedy:
+            positions = [p for i, s in greedy for p in range(starts[i + 1] - len(s.draft_token_ids) - 1,
+                                                               starts[i + 1])]  # fmt: skip
+            logits = self.model.compute_logits(hidden[as_index(positions, self.device)])
+            targets, at = self._to_host(logits.argmax(dim=-1)), 0
+            for _, s in greedy:
+                k = len(s.draft_token_ids)
+                tokens = accept_greedy(s.draft_token_ids, targets[at : at + k + 1])
+                at += k + 1
+                self.requests[s.request_id].output_token_ids.extend(tokens)
+                out.sampled[s.request_id] = tokens
+        for i, s in picked:
             st = self.requests[s.request_id]
+            if st.plain_greedy:
+                continue
             k = len(s.draft_token_ids)
             logits = self.model.compute_logits(hidden[starts[i + 1] - k - 1 : starts[i + 1]])
             # row j is sampled as if d1..dj were already outputs (penalties see them)

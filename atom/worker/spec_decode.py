@@ -41,11 +41,7 @@ def verify(
     """Tokens emitted for one request: accepted drafts plus one target token."""
     if greedy:  # only the penalised argmax matters, as in plain greedy sampling
         processed = apply_penalties(logits, batch) if batch.any_penalties else logits
-        target = processed.argmax(dim=-1).tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == target[accepted]:
-            accepted += 1
-        return drafts[:accepted] + [target[accepted]]
+        return accept_greedy(drafts, processed.argmax(dim=-1).tolist())
     _, probs = target_probs(logits, batch)
     uniforms = torch.rand(len(drafts), generator=generator, device=probs.device).tolist()
     for j, d in enumerate(drafts):
@@ -57,6 +53,14 @@ def verify(
             residual = probs[j]
         return drafts[:j] + [_draw(residual, generator)]
     return list(drafts) + [_draw(probs[len(drafts)], generator)]
+
+
+def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
+    """The drafts while they equal the target's argmax ``target`` (1 + k of them), then the target's own token."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [target[accepted]]
 
 
 def _draw(p: Tensor, generator: torch.Generator | None) -> int:
