@@ -91,8 +91,9 @@ def main() -> None:
                     "off": lambda: setattr(cuda_graph, "SHORT_CONTEXT", 1 << 62)}  # fmt: skip
     elif args.switch == "graphs_past_128":
         sizes = cuda_graph.CAPTURE_SIZES
+        up_to_128 = tuple(s for s in sizes if s <= 128)
         settings = {"on": lambda: setattr(cuda_graph, "CAPTURE_SIZES", sizes),
-                    "off": lambda: setattr(cuda_graph, "CAPTURE_SIZES", tuple(s for s in sizes if s <= 128))}  # fmt: skip
+                    "off": lambda: setattr(cuda_graph, "CAPTURE_SIZES", up_to_128)}  # fmt: skip
     elif args.switch == "kda_gate_proj":
         proj_limit = fused_mod.KDA_GATE_PROJ_MAX_TOKENS
         settings = {"on": lambda: setattr(fused_mod, "KDA_GATE_PROJ_MAX_TOKENS", proj_limit),
