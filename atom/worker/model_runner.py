@@ -308,23 +308,23 @@ class ModelRunner:
         """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode).
         The plain greedy rows (no penalties, no logprobs) share one lm_head, one argmax and one copy
         to the host; the others go one by one."""
-        picked = [(i, s) for i, s in enumerate(rows) if s.draft_token_ids]
-        greedy = [(i, s) for i, s in picked if self.requests[s.request_id].plain_greedy]
+        greedy, others = [], []
+        for i, s in enumerate(rows):
+            if s.draft_token_ids:
+                st = self.requests[s.request_id]
+                (greedy if st.plain_greedy else others).append((i, s, st))
         if greedy:
-            positions = [p for i, s in greedy for p in range(starts[i + 1] - len(s.draft_token_ids) - 1,
-                                                               starts[i + 1])]  # fmt: skip
+            positions = [p for i, s, _ in greedy for p in range(starts[i + 1] - len(s.draft_token_ids) - 1,
+                                                                  starts[i + 1])]  # fmt: skip
             logits = self.model.compute_logits(hidden[as_index(positions, self.device)])
             targets, at = self._to_host(logits.argmax(dim=-1)), 0
-            for _, s in greedy:
+            for _, s, st in greedy:
                 k = len(s.draft_token_ids)
                 tokens = accept_greedy(s.draft_token_ids, targets[at : at + k + 1])
                 at += k + 1
-                self.requests[s.request_id].output_token_ids.extend(tokens)
+                st.output_token_ids.extend(tokens)
                 out.sampled[s.request_id] = tokens
-        for i, s in picked:
-            st = self.requests[s.request_id]
-            if st.plain_greedy:
-                continue
+        for i, s, st in others:
             k = len(s.draft_token_ids)
             logits = self.model.compute_logits(hidden[starts[i + 1] - k - 1 : starts[i + 1]])
             # row j is sampled as if d1..dj were already outputs (penalties see them)
