@@ -83,6 +83,12 @@ class AttentionMetadata:
         return all(n == 1 for n in self.query_lens)
 
     @cached_property
+    def uniform_query_len(self) -> int:
+        """The query length every sequence shares; 0 when they differ (or there are none)."""
+        lens = set(self.query_lens)
+        return lens.pop() if len(lens) == 1 else 0
+
+    @cached_property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
 

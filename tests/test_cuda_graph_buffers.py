@@ -28,13 +28,15 @@ class EagerDecodeGraphs(DecodeGraphs):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.launched: list[int] = []
+        self.widths: list[int] = []  # tokens a row: 1 a decode launch, 1 + k a verification launch
         self.launches: list[tuple[int, int]] = []  # (bound, the longest row's positions) of each launch
 
-    def _launch(self, size: int, bound: int | None = None) -> torch.Tensor:
+    def _launch(self, size: int, bound: int | None = None, width: int = 1) -> torch.Tensor:
         bound = self.bounds[0] if bound is None else bound
         self.launched.append(size)
-        self.launches.append((bound, int(self.rows[cuda_graph.SEQ_LENS, :size].max())))
-        return self._forward(size, bound)
+        self.widths.append(width)
+        self.launches.append((bound, int(self.rows[cuda_graph.SEQ_LENS, :size * width].max())))
+        return self._forward(size, bound, width)
 
 
 @pytest.fixture
@@ -277,10 +279,10 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
             outside.append(step_on_graphs[0])
         return compute_logits(hidden, out=out)
 
-    def flagged_launch(size, bound=None):
+    def flagged_launch(size, bound=None, width=1):
         in_graph[0] = True
         try:
-            return launch(size, bound)
+            return launch(size, bound, width)
         finally:
             in_graph[0] = False
 
@@ -397,3 +399,150 @@ def test_async_chained_streams_abandoned_mid_flight(kimi_ckpt, kernel_shaped_lay
         assert (tokens is None) == (i % 2 == 1)
         if tokens is not None:
             assert tokens == reference[i]
+
+
+# -- speculative verification steps on the graphs ---------------------------------------
+
+REPETITIVE = [5, 6, 7, 8, 9, 10] * 4
+
+
+def test_verification_graph_sizes_hold_at_most_the_largest_decode_graphs_tokens(kimi_ckpt, llama_ckpt):
+    """Verification graphs take rows of 1 + k tokens; a graph's tokens stay within the largest decode size and
+    the MoE's capture bound, so the one logits buffer and the static rows need no more columns than that."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    llama = _graphs_on(LLM(llama_ckpt, dtype="float32", max_num_seqs=300, speculative_config=ngram))
+    assert llama.num_drafts == 3 and llama.verify_sizes == (1, 2, 4, 8, 16, 32, 64, 128)  # 128 * 4 = 512 tokens
+    assert llama.rows.shape[1] == llama.logits.shape[0] == 512
+    kimi = _graphs_on(LLM(kimi_ckpt, dtype="float32", max_num_seqs=300, speculative_config=ngram))
+    assert kimi.sizes[-1] == 128 and kimi.verify_sizes == (1, 2, 4, 8, 16, 32)  # 32 * 4 = 128 tokens (fp32)
+    small = _graphs_on(LLM(llama_ckpt, dtype="float32", max_num_seqs=3, speculative_config=ngram))
+    assert small.sizes == small.verify_sizes == (1, 2, 4) and small.logits.shape[0] == 16  # 4 rows of 4 tokens
+    assert small.tables.shape[0] == 4
+    too_long = {"method": "ngram", "num_speculative_tokens": cuda_graph.VERIFY_MAX_TOKENS}  # 1 + k past the kernels
+    assert _graphs_on(LLM(llama_ckpt, dtype="float32", max_num_seqs=3, speculative_config=too_long)).verify_sizes == ()
+    assert _graphs_on(LLM(llama_ckpt, dtype="float32", max_num_seqs=3)).verify_sizes == ()
+
+
+def test_verification_fill_pads_each_row_to_its_width():
+    """A verification step's buffers: row r's tokens in columns r * width + i (ids, positions, slots, seq_lens),
+    its columns past them and every column past the rows padding, its state slots in column r."""
+    from atom.engine.scheduler_output import ScheduledRequest
+    from atom.worker.cuda_graph import _PADDING, INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, HostBlockTables, \
+        fill_decode_buffers  # fmt: skip
+
+    block_size, width = 4, 3
+    rows = [ScheduledRequest("a", [5, 50, 51], 6, [7, 9, 2], 1, True, draft_token_ids=[50, 51], state_out_slot=0),
+            ScheduledRequest("b", [6], 0, [3, 8], 4, True, state_out_slot=3),
+            ScheduledRequest("c", [9, 90], 3, [11, 1], 8, True, draft_token_ids=[90], state_out_slot=6)]
+    buffers, tables = torch.full((7, 12), 99, dtype=torch.long), torch.full((4, 6), 99, dtype=torch.long)
+    ids = [t for s in rows for t in s.token_ids]
+    size = fill_decode_buffers(buffers, tables, HostBlockTables(4, 6), ids, rows, (1, 2, 4), block_size, width)
+    assert size == 4
+    pad = dict(enumerate(_PADDING))
+    want = {  # columns 0-2 row a, 3-5 row b, 6-8 row c, 9-11 padding
+        INPUT_IDS: [5, 50, 51, 6, pad[0], pad[0], 9, 90] + [pad[0]] * 4,
+        POSITIONS: [6, 7, 8, 0, pad[1], pad[1], 3, 4] + [pad[1]] * 4,
+        SLOT_MAPPING: [9 * 4 + 2, 9 * 4 + 3, 2 * 4 + 0, 3 * 4 + 0, -1, -1, 11 * 4 + 3, 1 * 4 + 0] + [-1] * 4,
+        SEQ_LENS: [7, 8, 9, 1, 0, 0, 4, 5] + [0] * 4,
+    }
+    for r, values in want.items():
+        assert buffers[r].tolist() == values, r
+    for r, values in {cuda_graph.STATE_SLOTS: [1, 4, 8], cuda_graph.STATE_OUT_SLOTS: [0, 3, 6],
+                      cuda_graph.HAS_INITIAL_STATE: [1, 0, 1]}.items():  # fmt: skip
+        assert buffers[r].tolist() == values + [pad[r]] * 9, r
+    for i, s in enumerate(rows):
+        assert tables[i, :3].tolist() == s.block_ids + [0] * (3 - len(s.block_ids)), i
+
+
+def _on_graphs_counting_logits(llm: LLM) -> tuple[EagerDecodeGraphs, list[bool]]:
+    """The graphs on llm's runner, and for each lm_head call outside a launch whether its step was a
+    verification step the graphs covered."""
+    graphs, runner = _graphs_on(llm), llm.engine.runner
+    in_graph, covered, outside = [False], [False], []
+    compute_logits, launch, execute = runner.model.compute_logits, graphs._launch, runner.execute_model
+
+    def counted_logits(hidden, out=None):
+        if not in_graph[0]:
+            outside.append(covered[0])
+        return compute_logits(hidden, out=out)
+
+    def flagged_launch(size, bound=None, width=1):
+        in_graph[0] = True
+        try:
+            return launch(size, bound, width)
+        finally:
+            in_graph[0] = False
+
+    def flagged_execute(sched):
+        covered[0] = bool(sched.scheduled) and graphs.covers_verification(sched.scheduled)
+        return execute(sched)
+
+    runner.model.compute_logits, graphs._launch, runner.execute_model = counted_logits, flagged_launch, flagged_execute
+    return graphs, outside
+
+
+class ContinuationDrafter:
+    """Proposes the next k tokens of a known run of each prompt, one of them made wrong in turn (so steps
+    accept 0 .. k drafts), fewer where the run ends (so rows of one step have different numbers of drafts)."""
+
+    def __init__(self, k: int, runs: list[list[int]]) -> None:
+        self.k, self.runs, self.calls = k, runs, 0
+
+    def propose(self, ctx) -> dict[str, list[int]]:
+        out = {}
+        for rid in ctx.emitted:
+            history = ctx.token_history[rid]
+            run = next((r for r in self.runs if r[: len(history)] == history), None)
+            # a run left (a sampled row's tokens differ from the plain run's): its last k tokens again
+            drafts = history[-self.k :] if run is None else run[len(history) : len(history) + self.k]
+            self.calls += 1
+            wrong = self.calls % (self.k + 1)
+            if wrong < len(drafts):
+                drafts[wrong] += 1
+            out[rid] = drafts
+        return out
+
+
+@pytest.mark.parametrize("kind, spec", [
+    ("kimi", {"method": "mtp", "num_speculative_tokens": 2}),
+    ("kimi", {"method": "mtp", "num_speculative_tokens": 3, "scripted": True}),
+    ("llama", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}),
+], ids=["kimi_mtp", "kimi_scripted", "llama_ngram"])
+def test_verification_steps_on_the_graphs_match_eager(tmp_path, kernel_shaped_layers, kind, spec):
+    """Steps with drafts replay verification graphs (rows padded to 1 + k tokens: rows with fewer drafts, or
+    none, too) and take every logit from the graph. Greedy rows, a seeded sampled row and a penalised row
+    get the tokens of the same engine run eagerly; greedy rows those of plain decoding."""
+    if kind == "kimi":
+        path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla"))
+    else:
+        path = checkpoints.make_llama_checkpoint(str(tmp_path), "llama", tokenizer=False)
+    spec = dict(spec)
+    scripted = spec.pop("scripted", False)
+    prompts = [[3, 4, 5], REPETITIVE, list(range(20, 45)), [7] * 8, [11]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True),
+              greedy, SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16, ignore_eos=True)]
+    kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64, "speculative_config": spec}
+
+    def run(llm: LLM) -> list[list[int]]:
+        if scripted and llm.engine.runner.drafter is not None:
+            llm.engine.runner.drafter = ContinuationDrafter(spec["num_speculative_tokens"], runs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    plain = run(LLM(path, dtype="float32", max_num_seqs=8))
+    runs = [p + out for p, out in zip(prompts, plain)]
+    eager_llm = LLM(path, **kwargs)
+    eager = run(eager_llm)
+    assert [eager[i] for i in (0, 1, 3, 4)] == [plain[i] for i in (0, 1, 3, 4)]
+    llm = LLM(path, **kwargs)
+    graphs, outside = _on_graphs_counting_logits(llm)
+    assert run(llm) == eager
+    width = 1 + spec["num_speculative_tokens"]
+    assert graphs.widths.count(width) >= 3 and 1 in graphs.widths  # verification steps and plain decode steps
+    assert outside and not any(outside), "a verification step on the graphs computed logits outside the graph"
+    sched = llm.engine.scheduler
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (eager_llm.engine.scheduler.num_draft_tokens,
+                                                                   eager_llm.engine.scheduler.num_accepted_tokens)
+    assert sched.num_accepted_tokens > 0 or spec["method"] == "mtp" and not scripted  # random MTP weights
+    assert llm.engine.all_resources_free()

@@ -111,10 +111,12 @@ class KimiDeltaAttention(nn.Module):
         fused = kernels_apply(x)
         apart = md.per_token_state_seqs
         gate = gate.unflatten(-1, (self.num_heads, self.head_dim))
-        if fused and md.is_pure_decode and not apart:
-            # the whole step is one decode group: no split, no index tensors (CUDA-graph capturable); the
-            # output norm runs in the decode kernel
-            normed = self._recur_kernels(mixed, g, beta, (md.num_seqs, 1), None, per_token=False, gate=gate)
+        verifying = len(apart) == md.num_seqs and md.uniform_query_len > 0  # every row 1 + k tokens
+        if fused and ((md.is_pure_decode and not apart) or verifying):
+            # the whole step is one group of decode (or verification) rows: no split, no index tensors
+            # (CUDA-graph capturable); the output norm runs in the decode kernel
+            normed = self._recur_kernels(mixed, g, beta, (md.num_seqs, md.max_query_len), None,
+                                         per_token=verifying, gate=gate)  # fmt: skip
             return self.o_proj(normed.flatten(1))
         out = self._recur_groups(mixed, g, beta, continuing, fused)
         if fused:

@@ -1,4 +1,4 @@
-"""CUDA graphs of pure-decode steps: captured once per padded batch size, replayed per step.
+"""CUDA graphs of decode and verification steps: captured once per padded batch size, replayed per step.
 
 A decode step launches ~800 small kernels; at small batches the host's launch
 time, not the GPU, sets the pace. So at start-up (caches allocated) the
@@ -26,23 +26,39 @@ vocabulary a graph of 512 rows alone would hold 335 MB of them): a step reads
 them before the next step's replay, as it must for a graph replayed twice.
 ``--enforce-eager`` turns the graphs off; the CPU always runs eagerly.
 
+With speculative decoding (k drafts) the sizes are captured once more for
+verification steps: rows of w = 1 + k tokens ``[t, d1 .. dk]``, as long as a
+graph's s * w tokens stay within the largest decode size and the model's
+bound (so the static buffers and the logits buffer need no more room). A step
+whose rows all decode one token with at most k drafts, some with drafts,
+replays one: a row with j < k drafts (or none) is padded to w tokens with
+padding tokens, and the runner reads each row's logits at r * w + i. Its KDA
+layers keep the state after each token (``state_out_slots + i``), as eager
+verification does; the padding tokens' states land in slots of the row's own
+group that the scheduler never resumes from (it resumes at the accepted
+count, at most j).
+
 The captured forward reads only static device buffers, which each step
-overwrites before replay (S = the largest captured size)::
+overwrites before replay (S = the most tokens of any captured graph)::
 
     rows    [7, S] int64   input_ids | positions | slot_mapping | state_slots
                            | state_out_slots | has_initial_state (0/1) | seq_lens
     tables  [S, max_blocks] int64   block tables (only each row's first blocks are read)
 
-A graph of size s reads columns [:s]. Padding rows (columns n..s-1) write
-nowhere and read no state: slot_mapping -1 (``write_latent_cache`` skips it),
-state slot -1 (the KDA kernels output zeros and touch no slot), seq_len 0
-(``mla_decode`` attends to nothing). Every op is row-wise, so their outputs,
-dropped afterwards, cannot reach the real rows.
+A decode graph of size s reads columns [:s]; a verification graph token
+columns [:s * w] (token i of row r in column r * w + i) and its row-level
+values (state slots, has_initial_state) in columns [:s]. Padding rows (columns
+n..s-1) write nowhere and read no state: slot_mapping -1 (``write_latent_cache``
+skips it), state slot -1 (the KDA kernels output zeros and touch no slot),
+seq_len 0 (``mla_decode`` attends to nothing). Padding tokens write no cache
+and attend to nothing the same way. Every op but KDA's recurrence is
+token-wise, and the recurrence only runs forward in a row, so their outputs,
+dropped afterwards, cannot reach the real tokens.
 
 What makes the forward capturable (and must stay so): with the ``atom._C``
 kernels the layers' pure-decode path has no host sync, makes no tensor from
 host data and branches only on shapes and host metadata fixed per size: KDA
-takes the whole step as one decode group, MLA runs ``mla_decode`` with
+takes the whole step as one decode (or verification) group, MLA runs ``mla_decode`` with
 ``max_seq_len`` = the graph's bound (it only sizes the split of long sequences;
 the kernel reads each row's length from ``seq_lens``), MoE a path chosen by
 the token count alone that never loops over the experts.
@@ -59,6 +75,7 @@ import torch
 from atom.config import EngineConfig
 from atom.engine.scheduler_output import ScheduledRequest
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context, upload
+from atom.layers import attention, mla
 from atom.ops._C_loader import use_kernels
 from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_OUT_SLOTS,
                                  STATE_SLOTS, advance_decode)
@@ -66,6 +83,8 @@ from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LE
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# the longest verification rows (1 + k tokens) the graphs take: the attention kernels' short-query path
+VERIFY_MAX_TOKENS = min(attention.KERNEL_MAX_QUERY_LEN, mla.KERNEL_MAX_QUERY_LEN)
 SHORT_CONTEXT = 2048  # the positions a row may reach in the short-context graphs (see above)
 # (positions in the step's input ids, int64 device tensor of the ids to write there)
 InputPatch = tuple[list[int], torch.Tensor]
@@ -109,55 +128,73 @@ class DecodeGraphs:
         self.sizes = capture_sizes(config.max_num_seqs, model.graph_capturable)
         if not self.sizes:
             raise ValueError(f"{type(model).__name__}'s decode path syncs with the host even at one row")
-        largest = self.sizes[-1]
+        # verification graphs: rows of 1 + k tokens, each size * (1 + k) tokens at most the largest decode size
+        self.num_drafts = config.num_speculative_tokens if 1 + config.num_speculative_tokens <= VERIFY_MAX_TOKENS \
+            else 0  # fmt: skip
+        width = 1 + self.num_drafts
+
+        def verify_capturable(size: int) -> bool:
+            return size * width <= CAPTURE_SIZES[-1] and model.graph_capturable(size * width)
+
+        self.verify_sizes = capture_sizes(config.max_num_seqs, verify_capturable) if self.num_drafts else ()
+        largest = max((self.sizes[-1], *self.verify_sizes))  # rows
+        columns = max((self.sizes[-1], *(size * width for size in self.verify_sizes)))  # tokens
         # a request's block table never outgrows max_model_len (+ lookahead slots); wider steps run eagerly
         self.max_blocks = -(-(config.max_model_len + config.num_speculative_tokens + 1) // config.block_size) + 1
-        self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, largest)
+        self.rows = torch.tensor(_PADDING, dtype=torch.long, device=device)[:, None].repeat(1, columns)
         self.tables = torch.zeros(largest, self.max_blocks, dtype=torch.long, device=device)
         self.host_tables = HostBlockTables(max(config.max_num_seqs, largest), self.max_blocks)
-        # every graph's logits: rows [:size] of this buffer (module docstring)
-        self.logits = torch.empty(largest, model.lm_head.out_features, dtype=torch.float32, device=device)
+        # every graph's logits: rows [:tokens] of this buffer (module docstring)
+        self.logits = torch.empty(columns, model.lm_head.out_features, dtype=torch.float32, device=device)
         # the longest row (positions) each set of graphs serves, shortest first
         self.bounds = (SHORT_CONTEXT, self.max_model_len) if self.max_model_len > SHORT_CONTEXT else (
             self.max_model_len,)  # fmt: skip
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}  # (size, bound)
+        # (size, bound, width): width 1 a decode graph, 1 + num_drafts a verification graph
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, DecodeOutput]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per (size, bound), largest first, sharing one memory pool; every column padding."""
+        """One graph per (size, bound, width), most tokens first, sharing one memory pool; every column padding."""
         pool = torch.cuda.graph_pool_handle()
+        shapes = [(size, 1) for size in self.sizes] + [(size, 1 + self.num_drafts) for size in self.verify_sizes]
+        shapes.sort(key=lambda shape: shape[0] * shape[1], reverse=True)
         for bound in reversed(self.bounds):
-            for size in reversed(self.sizes):
-                self._forward(size, bound)  # warm-up: lazy initialisation (cuBLAS, kernel attributes) outside capture
+            for size, width in shapes:
+                self._forward(size, bound, width)  # warm-up: lazy initialisation (cuBLAS, ...) outside capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    outputs = self._forward(size, bound)
-                self.graphs[size, bound] = (graph, outputs)
+                    outputs = self._forward(size, bound, width)
+                self.graphs[size, bound, width] = (graph, outputs)
         torch.cuda.synchronize(self.device)
 
-    def _forward(self, size: int, bound: int) -> DecodeOutput:
-        cols = self.rows[:, :size]
+    def _forward(self, size: int, bound: int, width: int = 1) -> DecodeOutput:
+        """The captured forward of ``size`` rows of ``width`` tokens each (token i of row r in column
+        r * width + i; the row-level values in columns [:size])."""
+        tokens = size * width
+        cols = self.rows[:, :tokens]
         # Host values describe the captured shape; ``bound`` bounds every seq_len, which is all the
         # attention kernels need from the host (to size their splits).
         meta = AttentionMetadata(
-            query_start_loc=list(range(size + 1)),
-            context_lens=[bound - 1] * size,
+            query_start_loc=list(range(0, tokens + 1, width)),
+            context_lens=[bound - width] * size,
             seq_lens=[bound] * size,
             block_tables=self.tables[:size],
             slot_mapping=cols[SLOT_MAPPING],
-            state_slots=cols[STATE_SLOTS],
+            state_slots=cols[STATE_SLOTS, :size],
             block_size=self.block_size,
-            state_out_slots=cols[STATE_OUT_SLOTS],
+            state_out_slots=cols[STATE_OUT_SLOTS, :size],
+            per_token_state_seqs=tuple(range(size)) if width > 1 else (),
         )
         # Device values derived inside the graph from the static rows (the properties would
         # otherwise upload the host lists above, which hold bounds, not this step's values).
-        meta.has_initial_state = cols[HAS_INITIAL_STATE] != 0
+        meta.has_initial_state = cols[HAS_INITIAL_STATE, :size] != 0
         meta.token_seq_lens = cols[SEQ_LENS].to(torch.int32)
-        meta.token_seq_ids = torch.arange(size, device=self.device)
+        seq_ids = torch.arange(tokens, device=self.device)
+        meta.token_seq_ids = seq_ids if width == 1 else seq_ids // width
         with set_forward_context(ForwardContext(meta, self.caches)):
             hidden = self.model(cols[INPUT_IDS], cols[POSITIONS])
-        logits = self.model.compute_logits(hidden, out=self.logits[:size])
+        logits = self.model.compute_logits(hidden, out=self.logits[:tokens])
         return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
 
     def forget(self, request_ids) -> None:
@@ -180,6 +217,29 @@ class DecodeGraphs:
         size, n = self._fill(input_ids, rows, patch), len(rows)
         return DecodeOutput(*(x[:n] for x in self._launch(size, self.bound_for(rows))))
 
+    def covers_verification(self, rows: list[ScheduledRequest]) -> bool:
+        """A speculative verification step the graphs can run: some row with drafts, every row one
+        token and up to ``num_drafts`` drafts (no prefill, no prompt logprobs), small enough."""
+        return (
+            bool(self.verify_sizes)
+            and len(rows) <= self.verify_sizes[-1]
+            and any(s.draft_token_ids for s in rows)
+            and all(len(s.token_ids) == 1 + len(s.draft_token_ids) <= 1 + self.num_drafts
+                    and not s.prompt_logprobs for s in rows)  # fmt: skip
+            and max(len(s.block_ids) for s in rows) <= self.max_blocks
+        )
+
+    def replay_verification(self, input_ids: list[int], rows: list[ScheduledRequest]) -> DecodeOutput:
+        """A verification step's outputs for rows [t, d1 .. dj] of up to 1 + num_drafts tokens: row r's
+        token i at r * (1 + num_drafts) + i (views into the graph's output buffers). Rows with fewer
+        drafts are padded with tokens that write no cache and attend to nothing."""
+        width = 1 + self.num_drafts
+        size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.verify_sizes,
+                                   self.block_size, width)  # fmt: skip
+        longest = max(s.context_len + len(s.token_ids) for s in rows)
+        n = len(rows) * width
+        return DecodeOutput(*(x[:n] for x in self._launch(size, self._bound(longest), width)))
+
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
                      patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
         """Multi-step greedy decoding on the device: ``num_steps`` replays back to back, each row's
@@ -198,7 +258,9 @@ class DecodeGraphs:
 
     def bound_for(self, rows: list[ScheduledRequest], num_steps: int = 1) -> int:
         """The smallest bound over every row's length in the next ``num_steps`` steps."""
-        longest = max(s.context_len for s in rows) + num_steps
+        return self._bound(max(s.context_len for s in rows) + num_steps)
+
+    def _bound(self, longest: int) -> int:
         return next((b for b in self.bounds if b >= longest), self.bounds[-1])
 
     def _fill(self, input_ids: list[int], rows: list[ScheduledRequest], patch: InputPatch | None) -> int:
@@ -209,10 +271,10 @@ class DecodeGraphs:
             self.rows[INPUT_IDS, as_index(positions, self.device)] = values
         return size
 
-    def _launch(self, size: int, bound: int | None = None) -> DecodeOutput:
-        """Replays the graph of this size and bound (by default the shortest: a short-context step's) over the
-        static buffers; its output buffers (all ``size`` rows)."""
-        graph, outputs = self.graphs[size, self.bounds[0] if bound is None else bound]
+    def _launch(self, size: int, bound: int | None = None, width: int = 1) -> DecodeOutput:
+        """Replays the graph of this size, bound (by default the shortest: a short-context step's) and width
+        over the static buffers; its output buffers (all ``size * width`` tokens)."""
+        graph, outputs = self.graphs[size, self.bounds[0] if bound is None else bound, width]
         graph.replay()
         return outputs
 
@@ -270,27 +332,44 @@ class HostBlockTables:
 
 def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables: HostBlockTables,
                         input_ids: list[int], rows: list[ScheduledRequest], sizes: tuple[int, ...],
-                        block_size: int) -> int:  # fmt: skip
-    """Writes a decode step's n rows into the static buffers (every column past them as padding);
-    the graph size to replay. The whole of ``buffers`` goes up in one contiguous copy: on a GPU that
-    is one transfer, where its first columns alone would be a transfer and a strided copy kernel."""
+                        block_size: int, width: int = 1) -> int:  # fmt: skip
+    """Writes a step's n rows into the static buffers (every column past them as padding); the graph
+    size to replay. The whole of ``buffers`` goes up in one contiguous copy: on a GPU that is one
+    transfer, where its first columns alone would be a transfer and a strided copy kernel.
+
+    ``width`` 1: decode rows, one token each. Otherwise verification rows ``[t, d1 .. dj]`` of up to
+    ``width`` tokens each, row r's token i in column r * width + i; a row's columns past its tokens are
+    padding (no cache write, seq_len 0) and its row-level values sit in column r."""
     n = len(rows)
     size = next(s for s in sizes if s >= n)
     host = np.empty(tuple(buffers.shape), np.int64)
     host[:] = _PADDING_COLUMN
     context = np.fromiter((s.context_len for s in rows), np.int64, n)
-    host[INPUT_IDS, :n] = input_ids
-    host[POSITIONS, :n] = context
-    host[SLOT_MAPPING, :n] = [_slot(s, block_size) for s in rows]
+    if width == 1:
+        host[INPUT_IDS, :n] = input_ids
+        host[POSITIONS, :n] = context
+        host[SLOT_MAPPING, :n] = [_slot(s, block_size) for s in rows]
+        host[SEQ_LENS, :n] = context + 1
+    else:
+        at = 0
+        for r, s in enumerate(rows):
+            m = len(s.token_ids)
+            cols = slice(r * width, r * width + m)
+            positions = np.arange(s.context_len, s.context_len + m)
+            host[INPUT_IDS, cols] = input_ids[at : at + m]
+            host[POSITIONS, cols] = positions
+            blocks = np.asarray(s.block_ids)[positions // block_size]
+            host[SLOT_MAPPING, cols] = blocks * block_size + positions % block_size
+            host[SEQ_LENS, cols] = positions + 1
+            at += m
     host[STATE_SLOTS, :n] = [s.state_slot for s in rows]
     host[STATE_OUT_SLOTS, :n] = [s.state_out_slot for s in rows]
     host[HAS_INITIAL_STATE, :n] = context > 0
-    host[SEQ_LENS, :n] = context + 1
     copy_from_host(buffers, torch.from_numpy(host))
-    width = max(len(s.block_ids) for s in rows)
+    columns = max(len(s.block_ids) for s in rows)
     if n * tables.shape[1] <= WHOLE_TABLE_ROWS_MAX_IDS:  # whole rows: contiguous, so again one plain transfer
-        width = tables.shape[1]
-    copy_from_host(tables[:n, :width], host_tables.gather(rows, width))
+        columns = tables.shape[1]
+    copy_from_host(tables[:n, :columns], host_tables.gather(rows, columns))
     return size
 
 

@@ -131,7 +131,7 @@ class ModelRunner:
         out = RunnerOutput()
         self._prompt_logprobs(rows, starts, hidden, out)
         self._sample(rows, starts, hidden, out, defer=chained, graph=graph)
-        self._verify(rows, starts, hidden, out)
+        self._verify(rows, starts, hidden, out, graph)
         if self.drafter is not None and out.sampled:
             self._propose(rows, starts, hidden, out)
         return out
@@ -201,12 +201,18 @@ class ModelRunner:
 
     def _forward(self, rows: list[ScheduledRequest],
                  chained: bool = False) -> tuple[torch.Tensor, list[int], DecodeOutput | None]:  # fmt: skip
-        """Hidden states [T, D] of the step's flat batch, its query_start_loc, and on the decode
-        graphs their outputs (with each row's logits and greedy token)."""
-        if self.decode_graphs is not None and self.decode_graphs.covers(rows):
+        """Hidden states [T, D] of the step's flat batch, where each row's tokens start (row i's at
+        starts[i]), and on the graphs their outputs (with each token's logits and greedy token).
+        A verification step on the graphs pads its rows to 1 + k tokens: starts[i] = i * (1 + k)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.covers(rows):
             ids, patch = self._token_ids(rows, on_device=chained)
-            graph = self.decode_graphs.replay(ids, rows, patch)
+            graph = graphs.replay(ids, rows, patch)
             return graph.hidden, list(range(len(rows) + 1)), graph
+        if graphs is not None and graphs.covers_verification(rows):
+            graph = graphs.replay_verification(self._token_ids(rows)[0], rows)
+            width = 1 + graphs.num_drafts
+            return graph.hidden, list(range(0, len(rows) * width + 1, width)), graph
         ids, _ = self._token_ids(rows)
         meta = build_attention_metadata(
             query_lens=[len(s.token_ids) for s in rows],
@@ -255,15 +261,15 @@ class ModelRunner:
     def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False,
                 graph: DecodeOutput | None = None) -> None:  # fmt: skip
         """Plain sampling: one token from the last position of each row that samples without drafts.
-        ``defer`` (a chained step, see ``_chains``): the tokens stay on the device. ``graph``: a decode
-        graph's outputs, whose logits (and their argmax) were computed in the graph."""
+        ``defer`` (a chained step, see ``_chains``): the tokens stay on the device. ``graph``: the graph's
+        outputs, whose logits (and their argmax) were computed in the graph."""
         picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
         if not picked:
             return
-        if graph is not None and len(picked) == len(rows):  # one token a row: row i is position i
-            logits, argmax = graph.logits, graph.greedy
+        last = as_index([starts[i] + len(s.token_ids) - 1 for i, s in picked], self.device)
+        if graph is not None:  # a decode step's rows all picked: a slice, so views
+            logits, argmax = graph.logits[last], graph.greedy[last]
         else:
-            last = as_index([starts[i + 1] - 1 for i, _ in picked], self.device)
             logits, argmax = self.model.compute_logits(hidden[last]), None
         states = [self.requests[s.request_id] for _, s in picked]
         greedy = all(st.plain_greedy for st in states)  # no per-row parameters to upload
@@ -304,20 +310,22 @@ class ModelRunner:
         _, host = self._ring.take(ids.numel(), pin=True)
         return HostCopy(ids, host).wait()
 
-    def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
-        """Rows with drafts: logits at their last 1 + k positions, then accept/reject (spec_decode).
-        The plain greedy rows (no penalties, no logprobs) share one lm_head, one argmax and one copy
-        to the host; the others go one by one."""
+    def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput,
+                graph: DecodeOutput | None = None) -> None:  # fmt: skip
+        """Rows with drafts: logits at their 1 + k positions (from ``graph`` where the step ran on the graphs),
+        then accept/reject (spec_decode). The plain greedy rows (no penalties, no logprobs) share one
+        lm_head, one argmax and one copy to the host; the others go one by one."""
         greedy, others = [], []
         for i, s in enumerate(rows):
             if s.draft_token_ids:
                 st = self.requests[s.request_id]
                 (greedy if st.plain_greedy else others).append((i, s, st))
         if greedy:
-            positions = [p for i, s, _ in greedy for p in range(starts[i + 1] - len(s.draft_token_ids) - 1,
-                                                                  starts[i + 1])]  # fmt: skip
-            logits = self.model.compute_logits(hidden[as_index(positions, self.device)])
-            targets, at = self._to_host(logits.argmax(dim=-1)), 0
+            positions = as_index([p for i, s, _ in greedy for p in range(starts[i], starts[i] + len(s.token_ids))],
+                                 self.device)  # fmt: skip
+            argmax = graph.greedy[positions] if graph is not None else \
+                self.model.compute_logits(hidden[positions]).argmax(dim=-1)  # fmt: skip
+            targets, at = self._to_host(argmax), 0
             for _, s, st in greedy:
                 k = len(s.draft_token_ids)
                 tokens = accept_greedy(s.draft_token_ids, targets[at : at + k + 1])
@@ -326,7 +334,8 @@ class ModelRunner:
                 out.sampled[s.request_id] = tokens
         for i, s, st in others:
             k = len(s.draft_token_ids)
-            logits = self.model.compute_logits(hidden[starts[i + 1] - k - 1 : starts[i + 1]])
+            span = slice(starts[i], starts[i] + k + 1)
+            logits = graph.logits[span] if graph is not None else self.model.compute_logits(hidden[span])
             # row j is sampled as if d1..dj were already outputs (penalties see them)
             histories = [st.output_token_ids + s.draft_token_ids[:j] for j in range(k + 1)]
             batch = SamplingBatch.from_params(
