@@ -82,6 +82,42 @@ def test_gpu_speculative_matches_cpu_reference(tmp_path, kernel_calls, spec):
     assert gpu == cpu
 
 
+@pytest.mark.parametrize("kind, spec", [
+    ("kimi", {"method": "mtp", "num_speculative_tokens": 2}),
+    ("kimi", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    ("llama", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}),
+], ids=["kimi_mtp", "kimi_ngram", "llama_ngram"])
+def test_gpu_verification_steps_on_graphs_match_cpu_reference_and_eager(tmp_path, monkeypatch, kind, spec):
+    """Steps with drafts replay the verification graphs (rows of 1 + k tokens, fewer drafts padded): in fp32 the
+    CPU reference path's tokens; in bf16 the tokens of the same engine with its verification steps eager."""
+    from atom import LLM
+    from atom.worker.cuda_graph import DecodeGraphs
+
+    verifications = []
+    inner = DecodeGraphs.replay_verification
+    monkeypatch.setattr(DecodeGraphs, "replay_verification",
+                        lambda self, ids, rows: verifications.append(len(rows)) or inner(self, ids, rows))
+    if kind == "kimi":
+        path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla",
+                                                                            tokenizer=False))  # fmt: skip
+    else:
+        path = checkpoints.make_llama_checkpoint(str(tmp_path), "llama", tokenizer=False)
+    cpu = _generate(path)
+    gpu = _generate(path, device="cuda", max_num_seqs=4, speculative_config=spec)
+    assert len(verifications) >= 5 and max(verifications) > 1
+    assert gpu == cpu
+    runs = []
+    for verify_on_graphs in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=4, speculative_config=spec)
+        if not verify_on_graphs:
+            llm.engine.runner.decode_graphs.verify_sizes = ()
+        verifications.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        assert bool(verifications) == verify_on_graphs and llm.engine.all_resources_free()
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+
+
 @pytest.fixture
 def graph_replays(monkeypatch):
     """Counts pure-decode steps run by replaying a captured CUDA graph, per padded size."""
