@@ -15,8 +15,11 @@ engine decodes without speculation, on its decode graphs with overlap (the
 default). Decode tok/s as in decode_gpu.py: batch * N / (t(1 + N new tokens) -
 t(1 new token)), the median of three. Each line also gives the mean tokens a
 verification step emits, and checks that every run's tokens equal plain
-decoding's where it can (bf16 batches of different shapes may round
-differently: a mismatch is counted, not fatal).
+decoding's where it can: "mismatch" counts the requests whose tokens differ
+from it, with the verification steps on the graphs / eager (bf16 rounds
+batches of other shapes differently: run --dtype float32 for drafts that hold).
+The last two columns: the share of one run's wall time the GPU spends in
+kernels (torch's profiler), plain decoding and speculation on the graphs.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="float32: the known runs hold (bf16 rounds batches of other shapes differently, and a "
+                        "random model's near-ties then part its tokens from the plain run's within a few steps)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/spec_decode_gpu.py needs a CUDA GPU")
@@ -72,13 +78,15 @@ def main() -> None:
     max_len = args.input_len + n_new + 2 * k + 8
     greedy = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (1, 1 + n_new)]
     gen = torch.Generator().manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}; k = {k} drafts; {args.input_len} prompt + {n_new} new tokens")
+    print(f"device: {torch.cuda.get_device_name()}; {args.dtype}; k = {k} drafts; {args.input_len} prompt + {n_new} "
+          "new tokens")
     print(f"{'batch':>5} {'wrong':>5} | {'plain tok/s':>11} {'graphs tok/s':>12} {'eager tok/s':>11} | "
-          f"{'graphs/eager':>12} {'graphs/plain':>12} | {'tokens/verif':>12} {'mismatch':>8}")  # fmt: skip
+          f"{'graphs/eager':>12} {'graphs/plain':>12} | {'tokens/verif':>12} {'mismatch':>9} | "
+          f"{'plain busy':>10} {'graphs busy':>11}")  # fmt: skip
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [q for q in torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()]
         inputs = [{"prompt_token_ids": q} for q in prompts]
-        kw = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=max_len,
+        kw = dict(dtype=args.dtype, device="cuda", max_num_seqs=batch, max_model_len=max_len,
                   max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
                   kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
         plain = LLM(args.ckpt, **kw)
@@ -91,6 +99,14 @@ def main() -> None:
             print(f"{batch:>5}: no verification graph of {batch} rows (sizes {sizes}); skipped")
             continue
 
+        def busy(llm) -> float:
+            """The fraction of one run's wall time the GPU spends in kernels (under torch's profiler)."""
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                seconds = timed(lambda: llm.generate(inputs, greedy[1], use_tqdm=False))
+            return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / seconds
+
         def tps(llm) -> tuple[float, list[list[int]]]:
             def go(params):
                 return llm.generate(inputs, params, use_tqdm=False)
@@ -101,6 +117,7 @@ def main() -> None:
             return batch * n_new / (tn - t1), [o.outputs[0].token_ids for o in outs[-1]]
 
         base, _ = tps(plain)
+        base_busy = busy(plain)
         for wrong in args.wrong.split(","):
             wrong_at = None if wrong == "none" else int(wrong)
             got = {}
@@ -109,14 +126,16 @@ def main() -> None:
                 spec.engine.runner.drafter = ContinuationDrafter(k, runs, wrong_at)
                 sched = spec.engine.scheduler
                 drafts0, accepted0 = sched.num_draft_tokens, sched.num_accepted_tokens
-                got[mode] = tps(spec)
+                rate, tokens = tps(spec)
                 steps = (sched.num_draft_tokens - drafts0) / k  # verification steps (k drafts each, but near the end)
-                emitted = (sched.num_accepted_tokens - accepted0) / max(steps, 1) + 1
+                got[mode] = rate, tokens, (sched.num_accepted_tokens - accepted0) / max(steps, 1) + 1
+                if mode == "graphs":
+                    got["busy"] = busy(spec)
             graphs.verify_sizes = sizes
-            mismatch = sum(a != b for mode in got for a, b in zip(got[mode][1], want))
-            g, e = got["graphs"][0], got["eager"][0]
+            mismatch = "/".join(str(sum(a != b for a, b in zip(got[mode][1], want))) for mode in ("graphs", "eager"))
+            (g, _, emitted), (e, _, _) = got["graphs"], got["eager"]
             print(f"{batch:>5} {wrong:>5} | {base:>11.0f} {g:>12.0f} {e:>11.0f} | {g / e:>12.2f} {g / base:>12.2f} | "
-                  f"{emitted:>12.2f} {mismatch:>8}", flush=True)  # fmt: skip
+                  f"{emitted:>12.2f} {mismatch:>9} | {base_busy:>10.0%} {got['busy']:>11.0%}", flush=True)  # fmt: skip
         plain = spec = graphs = None
         torch.cuda.empty_cache()
 
