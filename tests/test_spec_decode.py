@@ -248,3 +248,28 @@ def test_speculation_metrics_reach_outputs(llama_ckpt, make_llm):
     out = llm.generate(_inputs([REPETITIVE]), GREEDY)[0]
     assert out.metrics["num_draft_tokens"] > 0
     assert 0 < out.metrics["num_accepted_tokens"] <= out.metrics["num_draft_tokens"]
+
+
+def _most_recent_continuation(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup by its definition: for n from max_n down to min_n, the latest earlier occurrence of the last
+    n tokens that has a token after it; the (up to) k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+def test_ngram_lookup_finds_the_most_recent_longest_match():
+    from atom.worker.drafters.ngram import NgramDrafter
+
+    assert NgramDrafter(3, 1, 3).lookup([1, 2, 3, 9, 1, 2, 3]) == [9, 1, 2]
+    assert NgramDrafter(3, 1, 3).lookup([4, 2, 3, 8, 5, 2, 3, 7, 2, 3]) == [7, 2, 3]  # the latest of two matches
+    assert NgramDrafter(2, 2, 3).lookup([5, 6, 7, 5, 6]) == [7, 5]  # n = 2: the 3-gram never occurred before
+    assert NgramDrafter(2, 2, 2).lookup([5, 6, 7, 8]) == []
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(2000):
+        vocab = (2, 3, 5, 40)[trial % 4]
+        tokens = torch.randint(0, vocab, (int(torch.randint(1, 80, (), generator=gen)),), generator=gen).tolist()
+        for k, min_n, max_n in ((3, 1, 3), (4, 2, 4), (1, 1, 1), (2, 3, 5)):
+            assert NgramDrafter(k, min_n, max_n).lookup(tokens) == _most_recent_continuation(tokens, k, min_n, max_n)
