@@ -342,34 +342,29 @@ def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables
     padding (no cache write, seq_len 0) and its row-level values sit in column r."""
     n = len(rows)
     size = next(s for s in sizes if s >= n)
+    columns = max(len(s.block_ids) for s in rows)
+    if n * tables.shape[1] <= WHOLE_TABLE_ROWS_MAX_IDS:  # whole rows: contiguous, so again one plain transfer
+        columns = tables.shape[1]
+    table = host_tables.gather(rows, columns)
     host = np.empty(tuple(buffers.shape), np.int64)
     host[:] = _PADDING_COLUMN
     context = np.fromiter((s.context_len for s in rows), np.int64, n)
     if width == 1:
-        host[INPUT_IDS, :n] = input_ids
-        host[POSITIONS, :n] = context
-        host[SLOT_MAPPING, :n] = [_slot(s, block_size) for s in rows]
-        host[SEQ_LENS, :n] = context + 1
-    else:
-        at = 0
-        for r, s in enumerate(rows):
-            m = len(s.token_ids)
-            cols = slice(r * width, r * width + m)
-            positions = np.arange(s.context_len, s.context_len + m)
-            host[INPUT_IDS, cols] = input_ids[at : at + m]
-            host[POSITIONS, cols] = positions
-            blocks = np.asarray(s.block_ids)[positions // block_size]
-            host[SLOT_MAPPING, cols] = blocks * block_size + positions % block_size
-            host[SEQ_LENS, cols] = positions + 1
-            at += m
+        row_of, positions, cols = np.arange(n), context, slice(0, n)
+    else:  # row r's token j: column r * width + j, position context_len + j
+        lens = np.fromiter((len(s.token_ids) for s in rows), np.int64, n)
+        row_of = np.repeat(np.arange(n), lens)
+        j = np.arange(len(row_of)) - np.repeat(np.cumsum(lens) - lens, lens)
+        cols, positions = row_of * width + j, context[row_of] + j
+    host[INPUT_IDS, cols] = input_ids
+    host[POSITIONS, cols] = positions
+    host[SLOT_MAPPING, cols] = table.numpy()[row_of, positions // block_size] * block_size + positions % block_size
+    host[SEQ_LENS, cols] = positions + 1
     host[STATE_SLOTS, :n] = [s.state_slot for s in rows]
     host[STATE_OUT_SLOTS, :n] = [s.state_out_slot for s in rows]
     host[HAS_INITIAL_STATE, :n] = context > 0
     copy_from_host(buffers, torch.from_numpy(host))
-    columns = max(len(s.block_ids) for s in rows)
-    if n * tables.shape[1] <= WHOLE_TABLE_ROWS_MAX_IDS:  # whole rows: contiguous, so again one plain transfer
-        columns = tables.shape[1]
-    copy_from_host(tables[:n, :columns], host_tables.gather(rows, columns))
+    copy_from_host(tables[:n, :columns], table)
     return size
 
 
@@ -391,11 +386,6 @@ def as_index(positions: list[int], device: torch.device) -> slice | torch.Tensor
     if positions == list(range(positions[0], positions[0] + len(positions))):
         return slice(positions[0], positions[0] + len(positions))
     return upload(positions, torch.long, device)
-
-
-def _slot(s: ScheduledRequest, block_size: int) -> int:
-    pos = s.context_len
-    return s.block_ids[pos // block_size] * block_size + pos % block_size
 
 
 def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: dict) -> DecodeGraphs | None:
