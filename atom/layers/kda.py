@@ -17,7 +17,8 @@ new token.
 On a GPU with the ``atom._C`` kernels, decode rows (one token each) and
 speculative verification rows (1 + k tokens each, all the same length) run
 ``conv1d_update`` + ``kda_decode`` + ``gated_rmsnorm`` straight on the slot
-pools (in a pure decode step ``kda_decode`` applies the output norm itself);
+pools (in a step of decode rows alone, or of verification rows of one length
+alone, ``kda_decode`` applies the output norm itself);
 prefill rows run ``conv1d_prefill`` and ``kda_prefill`` (chunked), both on
 the packed tokens, straight on the pools. Elsewhere (CPU,
 ``ATOM_FORCE_REFERENCE=1``) every group runs the reference.
