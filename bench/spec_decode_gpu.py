@@ -18,8 +18,6 @@ verification step emits, and checks that every run's tokens equal plain
 decoding's where it can: "mismatch" counts the requests whose tokens differ
 from it, with the verification steps on the graphs / eager (bf16 rounds
 batches of other shapes differently: run --dtype float32 for drafts that hold).
-The last two columns: the share of one run's wall time the GPU spends in
-kernels (torch's profiler), plain decoding and speculation on the graphs.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}; {args.dtype}; k = {k} drafts; {args.input_len} prompt + {n_new} "
           "new tokens")
     print(f"{'batch':>5} {'wrong':>5} | {'plain tok/s':>11} {'graphs tok/s':>12} {'eager tok/s':>11} | "
-          f"{'graphs/eager':>12} {'graphs/plain':>12} | {'tokens/verif':>12} {'mismatch':>9} | "
-          f"{'plain busy':>10} {'graphs busy':>11}")  # fmt: skip
+          f"{'graphs/eager':>12} {'graphs/plain':>12} | {'tokens/verif':>12} {'mismatch':>9}")  # fmt: skip
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [q for q in torch.randint(3, 32000, (batch, args.input_len), generator=gen).tolist()]
         inputs = [{"prompt_token_ids": q} for q in prompts]
@@ -99,14 +96,6 @@ def main() -> None:
             print(f"{batch:>5}: no verification graph of {batch} rows (sizes {sizes}); skipped")
             continue
 
-        def busy(llm) -> float:
-            """The fraction of one run's wall time the GPU spends in kernels (under torch's profiler)."""
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                seconds = timed(lambda: llm.generate(inputs, greedy[1], use_tqdm=False))
-            return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / seconds
-
         def tps(llm) -> tuple[float, list[list[int]]]:
             def go(params):
                 return llm.generate(inputs, params, use_tqdm=False)
@@ -117,7 +106,6 @@ def main() -> None:
             return batch * n_new / (tn - t1), [o.outputs[0].token_ids for o in outs[-1]]
 
         base, _ = tps(plain)
-        base_busy = busy(plain)
         for wrong in args.wrong.split(","):
             wrong_at = None if wrong == "none" else int(wrong)
             got = {}
@@ -129,13 +117,11 @@ def main() -> None:
                 rate, tokens = tps(spec)
                 steps = (sched.num_draft_tokens - drafts0) / k  # verification steps (k drafts each, but near the end)
                 got[mode] = rate, tokens, (sched.num_accepted_tokens - accepted0) / max(steps, 1) + 1
-                if mode == "graphs":
-                    got["busy"] = busy(spec)
             graphs.verify_sizes = sizes
             mismatch = "/".join(str(sum(a != b for a, b in zip(got[mode][1], want))) for mode in ("graphs", "eager"))
             (g, _, emitted), (e, _, _) = got["graphs"], got["eager"]
             print(f"{batch:>5} {wrong:>5} | {base:>11.0f} {g:>12.0f} {e:>11.0f} | {g / e:>12.2f} {g / base:>12.2f} | "
-                  f"{emitted:>12.2f} {mismatch:>9} | {base_busy:>10.0%} {got['busy']:>11.0%}", flush=True)  # fmt: skip
+                  f"{emitted:>12.2f} {mismatch:>9}", flush=True)  # fmt: skip
         plain = spec = graphs = None
         torch.cuda.empty_cache()
 

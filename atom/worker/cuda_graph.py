@@ -409,6 +409,12 @@ def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: 
         return None
     logger.info("captured CUDA graphs of decode steps for batch sizes %s, rows of up to %s positions",
                 ", ".join(map(str, graphs.sizes)), " or ".join(map(str, graphs.bounds)))
+    if graphs.verify_sizes:
+        logger.info("captured CUDA graphs of verification steps (%d tokens a row) for batch sizes %s",
+                    1 + graphs.num_drafts, ", ".join(map(str, graphs.verify_sizes)))
+    elif config.num_speculative_tokens:
+        logger.info("verification steps run eagerly: %d tokens a row is past the attention kernels' %d",
+                    1 + config.num_speculative_tokens, VERIFY_MAX_TOKENS)
     if config.max_num_seqs > graphs.sizes[-1]:
         logger.info("decode steps of more than %d rows run eagerly (%s)", graphs.sizes[-1],
                     "the largest size captured" if graphs.sizes[-1] == CAPTURE_SIZES[-1]
