@@ -546,3 +546,26 @@ def test_verification_steps_on_the_graphs_match_eager(tmp_path, kernel_shaped_la
                                                                    eager_llm.engine.scheduler.num_accepted_tokens)
     assert sched.num_accepted_tokens > 0 or spec["method"] == "mtp" and not scripted  # random MTP weights
     assert llm.engine.all_resources_free()
+
+
+def test_verification_graphs_cover_only_steps_of_one_token_and_up_to_k_drafts_a_row(llama_ckpt):
+    """A step replays a verification graph when some row has drafts and every row brings one token and at most
+    k drafts, without prompt logprobs, within the largest verification size; anything else runs eagerly."""
+    from dataclasses import replace
+
+    from atom.engine.scheduler_output import ScheduledRequest
+
+    graphs = _graphs_on(LLM(llama_ckpt, dtype="float32", max_num_seqs=4,
+                            speculative_config={"method": "ngram", "num_speculative_tokens": 2}))  # fmt: skip
+
+    def row(i: int, drafts: list[int], tokens: int = 1) -> ScheduledRequest:
+        return ScheduledRequest(f"r{i}", [3] * tokens + drafts, 10, [1, 2], -1, True, draft_token_ids=drafts)
+
+    drafted, plain = row(0, [5, 6]), row(1, [])
+    assert graphs.covers_verification([drafted, plain, row(2, [7])])
+    assert not graphs.covers_verification([plain, row(2, [])])  # no drafts: a decode step (graphs.covers)
+    assert not graphs.covers_verification([drafted, row(1, [5, 6, 7])])  # more than k drafts
+    assert not graphs.covers_verification([drafted, row(1, [], tokens=4)])  # a prefill chunk
+    assert not graphs.covers_verification([drafted, replace(plain, prompt_logprobs=True)])
+    assert not graphs.covers_verification([row(i, [5]) for i in range(5)])  # more rows than the largest size
+    assert graphs.verify_sizes == (1, 2, 4)

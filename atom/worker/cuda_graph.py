@@ -39,11 +39,12 @@ group that the scheduler never resumes from (it resumes at the accepted
 count, at most j).
 
 The captured forward reads only static device buffers, which each step
-overwrites before replay (S = the most tokens of any captured graph)::
+overwrites before replay (S = the most tokens, R = the most rows of any
+captured graph)::
 
     rows    [7, S] int64   input_ids | positions | slot_mapping | state_slots
                            | state_out_slots | has_initial_state (0/1) | seq_lens
-    tables  [S, max_blocks] int64   block tables (only each row's first blocks are read)
+    tables  [R, max_blocks] int64   block tables (only each row's first blocks are read)
 
 A decode graph of size s reads columns [:s]; a verification graph token
 columns [:s * w] (token i of row r in column r * w + i) and its row-level
@@ -58,10 +59,11 @@ dropped afterwards, cannot reach the real tokens.
 What makes the forward capturable (and must stay so): with the ``atom._C``
 kernels the layers' pure-decode path has no host sync, makes no tensor from
 host data and branches only on shapes and host metadata fixed per size: KDA
-takes the whole step as one decode (or verification) group, MLA runs ``mla_decode`` with
-``max_seq_len`` = the graph's bound (it only sizes the split of long sequences;
-the kernel reads each row's length from ``seq_lens``), MoE a path chosen by
-the token count alone that never loops over the experts.
+takes the whole step as one decode (or verification) group, MLA runs
+``mla_decode`` with ``max_seq_len`` = the graph's bound (it only sizes the
+split of long sequences; the kernel reads each row's length from
+``seq_lens``), MoE a path chosen by the token count alone that never loops
+over the experts.
 """
 
 from __future__ import annotations
@@ -412,7 +414,7 @@ def capture_decode_graphs(config: EngineConfig, model: torch.nn.Module, caches: 
     if graphs.verify_sizes:
         logger.info("captured CUDA graphs of verification steps (%d tokens a row) for batch sizes %s",
                     1 + graphs.num_drafts, ", ".join(map(str, graphs.verify_sizes)))
-    elif config.num_speculative_tokens:
+    elif config.num_speculative_tokens and not graphs.num_drafts:
         logger.info("verification steps run eagerly: %d tokens a row is past the attention kernels' %d",
                     1 + config.num_speculative_tokens, VERIFY_MAX_TOKENS)
     if config.max_num_seqs > graphs.sizes[-1]:
