@@ -270,13 +270,23 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
     kwargs = {"dtype": "float32", "max_num_seqs": 8, "max_num_batched_tokens": 64}
     want = _tokens(LLM(kimi_ckpt, **kwargs), params)
     llm = LLM(kimi_ckpt, async_scheduling=overlap, **kwargs)
+    graphs, outside = _on_graphs_counting_logits(llm, lambda graphs, rows: graphs.covers(rows))
+    assert _tokens(llm, params) == want
+    assert len(graphs.launched) >= 5 and outside  # decode steps ran on the graphs, prefill steps eagerly
+    assert not any(outside), "a step on the graphs computed its logits outside the graph"
+    assert llm.engine.all_resources_free()
+
+
+def _on_graphs_counting_logits(llm: LLM, covered) -> tuple[EagerDecodeGraphs, list[bool]]:
+    """The graphs on llm's runner, and for each lm_head call outside a launch whether its step was one that
+    ``covered(graphs, rows)`` says the graphs run."""
     graphs, runner = _graphs_on(llm), llm.engine.runner
-    in_graph, step_on_graphs, outside = [False], [False], []  # outside: (step on the graphs?) per lm_head call
+    in_graph, on_graphs, outside = [False], [False], []
     compute_logits, launch, execute = runner.model.compute_logits, graphs._launch, runner.execute_model
 
     def counted_logits(hidden, out=None):
         if not in_graph[0]:
-            outside.append(step_on_graphs[0])
+            outside.append(on_graphs[0])
         return compute_logits(hidden, out=out)
 
     def flagged_launch(size, bound=None, width=1):
@@ -287,14 +297,11 @@ def test_graph_steps_take_their_logits_from_the_graph(kimi_ckpt, kernel_shaped_l
             in_graph[0] = False
 
     def flagged_execute(sched):
-        step_on_graphs[0] = bool(sched.scheduled) and graphs.covers(sched.scheduled)
+        on_graphs[0] = bool(sched.scheduled) and covered(graphs, sched.scheduled)
         return execute(sched)
 
     runner.model.compute_logits, graphs._launch, runner.execute_model = counted_logits, flagged_launch, flagged_execute
-    assert _tokens(llm, params) == want
-    assert len(graphs.launched) >= 5 and outside  # decode steps ran on the graphs, prefill steps eagerly
-    assert not any(outside), "a step on the graphs computed its logits outside the graph"
-    assert llm.engine.all_resources_free()
+    return graphs, outside
 
 
 def _graphs_on(llm: LLM) -> EagerDecodeGraphs:
@@ -454,33 +461,6 @@ def test_verification_fill_pads_each_row_to_its_width():
         assert tables[i, :3].tolist() == s.block_ids + [0] * (3 - len(s.block_ids)), i
 
 
-def _on_graphs_counting_logits(llm: LLM) -> tuple[EagerDecodeGraphs, list[bool]]:
-    """The graphs on llm's runner, and for each lm_head call outside a launch whether its step was a
-    verification step the graphs covered."""
-    graphs, runner = _graphs_on(llm), llm.engine.runner
-    in_graph, covered, outside = [False], [False], []
-    compute_logits, launch, execute = runner.model.compute_logits, graphs._launch, runner.execute_model
-
-    def counted_logits(hidden, out=None):
-        if not in_graph[0]:
-            outside.append(covered[0])
-        return compute_logits(hidden, out=out)
-
-    def flagged_launch(size, bound=None, width=1):
-        in_graph[0] = True
-        try:
-            return launch(size, bound, width)
-        finally:
-            in_graph[0] = False
-
-    def flagged_execute(sched):
-        covered[0] = bool(sched.scheduled) and graphs.covers_verification(sched.scheduled)
-        return execute(sched)
-
-    runner.model.compute_logits, graphs._launch, runner.execute_model = counted_logits, flagged_launch, flagged_execute
-    return graphs, outside
-
-
 class ContinuationDrafter:
     """Proposes the next k tokens of a known run of each prompt, one of them made wrong in turn (so steps
     accept 0 .. k drafts), fewer where the run ends (so rows of one step have different numbers of drafts)."""
@@ -536,7 +516,7 @@ def test_verification_steps_on_the_graphs_match_eager(tmp_path, kernel_shaped_la
     eager = run(eager_llm)
     assert [eager[i] for i in (0, 1, 3, 4)] == [plain[i] for i in (0, 1, 3, 4)]
     llm = LLM(path, **kwargs)
-    graphs, outside = _on_graphs_counting_logits(llm)
+    graphs, outside = _on_graphs_counting_logits(llm, lambda graphs, rows: graphs.covers_verification(rows))
     assert run(llm) == eager
     width = 1 + spec["num_speculative_tokens"]
     assert graphs.widths.count(width) >= 3 and 1 in graphs.widths  # verification steps and plain decode steps
