@@ -93,6 +93,33 @@ def test_plain_greedy_rows_verify_through_one_lm_head(kimi_mtp_ckpt, make_llm):
     assert any(drafted > greedy > 0 for greedy, drafted, _ in calls)  # a step with both kinds of rows
 
 
+def test_plain_greedy_rows_without_drafts_join_the_verification(llama_ckpt, make_llm):
+    """In a step where some plain greedy rows have drafts and others found none (n-gram), all of them get their
+    tokens from one lm_head, one argmax and one copy to the host. The tokens are plain decoding's."""
+    want = _tokens(make_llm(llama_ckpt).generate(_inputs(), GREEDY))
+    llm = make_llm(llama_ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_max": 3})  # fmt: skip
+    runner = llm.engine.runner
+    inner_execute, inner_logits = runner.execute_model, runner.model.compute_logits
+    steps, count = [], [0]  # (lm_head calls, rows without drafts) per step with drafts
+
+    def counted_logits(*args, **kwargs):
+        count[0] += 1
+        return inner_logits(*args, **kwargs)
+
+    def counted_execute(sched):
+        count[0] = 0
+        result = inner_execute(sched)
+        if any(s.draft_token_ids for s in sched.scheduled):
+            steps.append((count[0], sum(s.sample and not s.draft_token_ids for s in sched.scheduled)))
+        return result
+
+    runner.model.compute_logits, runner.execute_model = counted_logits, counted_execute
+    assert _tokens(llm.generate(_inputs(), GREEDY)) == want
+    assert any(undrafted for _, undrafted in steps)  # rows with and without drafts in one step
+    assert all(calls == 1 for calls, _ in steps)
+
+
 def test_mtp_without_weights_is_a_clear_error(llama_ckpt):
     from atom import LLM
 

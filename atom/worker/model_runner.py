@@ -130,8 +130,9 @@ class ModelRunner:
         hidden, starts, graph = self._forward(rows, chained)
         out = RunnerOutput()
         self._prompt_logprobs(rows, starts, hidden, out)
-        self._sample(rows, starts, hidden, out, defer=chained, graph=graph)
-        self._verify(rows, starts, hidden, out, graph)
+        together = self._greedy_together(rows)
+        self._sample(rows, starts, hidden, out, defer=chained, graph=graph, skip=together)
+        self._verify(rows, starts, hidden, out, graph, together)
         if self.drafter is not None and out.sampled:
             self._propose(rows, starts, hidden, out)
         return out
@@ -259,11 +260,11 @@ class ModelRunner:
         return ids, (positions, last_tokens[as_index(columns, last_tokens.device)])
 
     def _sample(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, defer: bool = False,
-                graph: DecodeOutput | None = None) -> None:  # fmt: skip
-        """Plain sampling: one token from the last position of each row that samples without drafts.
-        ``defer`` (a chained step, see ``_chains``): the tokens stay on the device. ``graph``: the graph's
-        outputs, whose logits (and their argmax) were computed in the graph."""
-        picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids]
+                graph: DecodeOutput | None = None, skip: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """Plain sampling: one token from the last position of each row that samples without drafts (but
+        the rows in ``skip``). ``defer`` (a chained step, see ``_chains``): the tokens stay on the device.
+        ``graph``: the graph's outputs, whose logits (and their argmax) were computed in the graph."""
+        picked = [(i, s) for i, s in enumerate(rows) if s.sample and not s.draft_token_ids and i not in skip]
         if not picked:
             return
         last = as_index([starts[i] + len(s.token_ids) - 1 for i, s in picked], self.device)
@@ -310,19 +311,29 @@ class ModelRunner:
         _, host = self._ring.take(ids.numel(), pin=True)
         return HostCopy(ids, host).wait()
 
+    def _greedy_together(self, rows: list[ScheduledRequest]) -> frozenset[int]:
+        """The rows ``_verify`` takes as one group: the plain greedy rows (no penalties, no logprobs) with
+        drafts and, where there are any, the plain greedy rows that sample without drafts too (a row of
+        no drafts accepts none: its token is the argmax, as ``_sample`` would give it)."""
+        if not any(s.draft_token_ids for s in rows):  # (a plain decode step: nothing to look up)
+            return frozenset()
+        plain = [i for i, s in enumerate(rows) if (s.draft_token_ids or s.sample)
+                 and self.requests[s.request_id].plain_greedy]  # fmt: skip
+        return frozenset(plain) if any(rows[i].draft_token_ids for i in plain) else frozenset()
+
     def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput,
-                graph: DecodeOutput | None = None) -> None:  # fmt: skip
+                graph: DecodeOutput | None = None, together: frozenset[int] = frozenset()) -> None:  # fmt: skip
         """Rows with drafts: logits at their 1 + k positions (from ``graph`` where the step ran on the graphs),
-        then accept/reject (spec_decode). The plain greedy rows (no penalties, no logprobs) share one
-        lm_head, one argmax and one copy to the host; the others go one by one."""
-        greedy, others = [], []
-        for i, s in enumerate(rows):
-            if s.draft_token_ids:
-                st = self.requests[s.request_id]
-                (greedy if st.plain_greedy else others).append((i, s, st))
+        then accept/reject (spec_decode). The rows ``together`` (``_greedy_together``) share one lm_head, one
+        argmax and one copy to the host; the other rows with drafts go one by one."""
+        greedy = [(i, rows[i], self.requests[rows[i].request_id]) for i in sorted(together)]
+        others = [(i, s, self.requests[s.request_id]) for i, s in enumerate(rows)
+                  if s.draft_token_ids and i not in together]  # fmt: skip
         if greedy:
-            positions = as_index([p for i, s, _ in greedy for p in range(starts[i], starts[i] + len(s.token_ids))],
-                                 self.device)  # fmt: skip
+            # each row's last 1 + k tokens: [t, d1 .. dk] (a row without drafts: its last token)
+            positions = as_index([p for i, s, _ in greedy
+                                  for p in range(starts[i] + len(s.token_ids) - len(s.draft_token_ids) - 1,
+                                                 starts[i] + len(s.token_ids))], self.device)  # fmt: skip
             argmax = graph.greedy[positions] if graph is not None else \
                 self.model.compute_logits(hidden[positions]).argmax(dim=-1)  # fmt: skip
             targets, at = self._to_host(argmax), 0
