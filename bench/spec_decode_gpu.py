@@ -1,23 +1,26 @@
 """Speculative decoding on the GPU: verification steps on CUDA graphs against eager ones, and plain decoding.
 
-    python bench/spec_decode_gpu.py --batches 1,16,64 --num-drafts 3 --wrong 2,none
+    python bench/spec_decode_gpu.py --dtype float32 --batches 1,16,32 --num-drafts 3 --wrong none,1,0
 
-On bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model (bf16) a drafter
-that knows the model's greedy continuation (from a plain run of the same
-prompts) proposes its next k tokens, with draft number ``--wrong`` made wrong
-(``none``: all right), so each verification step accepts a known number of
-drafts whatever the random weights. (A real drafter on random weights drafts
-almost nothing: GPU_NOTES.md, session 40, call 4.) One engine with speculation
-runs each round twice, its verification steps on the graphs and then eagerly
-(``DecodeGraphs.verify_sizes`` emptied: every step with drafts runs the
-forward and the lm_head outside the graphs), the order alternating; a second
-engine decodes without speculation, on its decode graphs with overlap (the
-default). Decode tok/s as in decode_gpu.py: batch * N / (t(1 + N new tokens) -
-t(1 new token)), the median of three. Each line also gives the mean tokens a
-verification step emits, and checks that every run's tokens equal plain
-decoding's where it can: "mismatch" counts the requests whose tokens differ
-from it, with the verification steps on the graphs / eager (bf16 rounds
-batches of other shapes differently: run --dtype float32 for drafts that hold).
+On bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model a drafter that
+knows the model's greedy continuation (from a plain run of the same prompts)
+proposes its next k tokens, draft ``--wrong`` (0-based; ``none``: none) made
+wrong, so each verification step accepts a known number of drafts as long as
+the engine's tokens stay those of the plain run. In fp32 they did; in bf16
+(the default) the verification's batches of other shapes round differently,
+and the random model's near-ties part its tokens from the plain run's within a
+few steps, after which the drafts are rejected. (A real drafter on random
+weights drafts almost nothing: GPU_NOTES.md, session 40, call 4.)
+
+One engine with speculation runs each setting twice, its verification steps on
+the graphs and eagerly (``DecodeGraphs.verify_sizes`` emptied: every step with
+drafts runs the forward and the lm_head outside the graphs), in turns whose
+order alternates with the batch; a second engine decodes without speculation,
+on its decode graphs with overlap (the default). Decode tok/s as in
+decode_gpu.py: batch * N / (t(1 + N new tokens) - t(1 new token)), the median
+of three. Each line also gives the mean tokens a verification step emits, and
+"mismatch": the requests whose tokens differ from plain decoding's, with the
+verification steps on the graphs / eager.
 """
 
 from __future__ import annotations
