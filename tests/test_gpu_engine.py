@@ -158,8 +158,8 @@ def test_gpu_graphs_for_short_and_long_rows_match_cpu_reference(tmp_path, monkey
     monkeypatch.setattr(cuda_graph, "SHORT_CONTEXT", 32)
     launches = []
     inner = cuda_graph.DecodeGraphs._launch
-    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_launch",
-                        lambda self, size, bound=None, width=1: launches.append(bound) or inner(self, size, bound, width))
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_launch", lambda self, size, bound=None, width=1:
+                        launches.append(bound) or inner(self, size, bound, width))  # fmt: skip
     if kind == "kimi":
         path = checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False)
     else:
