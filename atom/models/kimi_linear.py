@@ -262,8 +262,8 @@ class KimiLinearForCausalLM(nn.Module):
         return logits.float() if out is None else out.copy_(logits)
 
     def graph_capturable(self, tokens: int) -> bool:
-        """Whether a pure-decode step of this many rows makes no host sync (atom.worker.cuda_graph): with the
-        atom._C kernels only the MoE layers' path depends on the row count."""
+        """Whether a decode or verification step of this many tokens makes no host sync (atom.worker.cuda_graph):
+        with the atom._C kernels only the MoE layers' path depends on the token count."""
         return all(layer.mlp.capturable(tokens) for layer in self.model.layers if isinstance(layer.mlp, SparseMoE))
 
     @property

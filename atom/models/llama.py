@@ -112,7 +112,8 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if out is None else out.copy_(logits)
 
     def graph_capturable(self, tokens: int) -> bool:
-        """A pure-decode step of any size makes no host sync with the atom._C kernels (atom.worker.cuda_graph)."""
+        """A decode or verification step of any size makes no host sync with the atom._C kernels
+        (atom.worker.cuda_graph)."""
         return True
 
     def cache_specs(self) -> dict[int, PagedKVSpec]:
