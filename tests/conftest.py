@@ -50,3 +50,13 @@ def make_llm():
     for llm in made:
         assert not llm.engine.has_unfinished_requests(), "a request is still alive after the test"
         assert llm.engine.all_resources_free(), "KV blocks or state slots leaked"
+
+
+@pytest.fixture
+def kernel_shaped_layers(monkeypatch):
+    """The layers' GPU decode path on the CPU: the kernel wrappers fall back to their references."""
+    from atom.layers import kda, moe
+    from atom.ops import cuda as kernels
+
+    for module in (kda, moe, kernels):
+        monkeypatch.setattr(module, "kernels_apply", lambda *tensors: True)

@@ -39,16 +39,6 @@ class EagerDecodeGraphs(DecodeGraphs):
         return self._forward(size, bound, width)
 
 
-@pytest.fixture
-def kernel_shaped_layers(monkeypatch):
-    """The layers' GPU decode path on the CPU: the kernel wrappers fall back to their references."""
-    from atom.layers import kda, moe
-    from atom.ops import cuda as kernels
-
-    for module in (kda, moe, kernels):
-        monkeypatch.setattr(module, "kernels_apply", lambda *tensors: True)
-
-
 def _generate(llm: LLM) -> list[list[int]]:
     return _tokens(llm, GREEDY)
 

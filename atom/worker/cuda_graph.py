@@ -157,7 +157,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """One graph per (size, bound, width), most tokens first, sharing one memory pool; every column padding."""
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()  # MTP drafting's graphs share it (drafters/mtp_graphs.py)
         shapes = [(size, 1) for size in self.sizes] + [(size, 1 + self.num_drafts) for size in self.verify_sizes]
         shapes.sort(key=lambda shape: shape[0] * shape[1], reverse=True)
         for bound in reversed(self.bounds):
@@ -175,8 +175,17 @@ class DecodeGraphs:
         r * width + i; the row-level values in columns [:size])."""
         tokens = size * width
         cols = self.rows[:, :tokens]
-        # Host values describe the captured shape; ``bound`` bounds every seq_len, which is all the
-        # attention kernels need from the host (to size their splits).
+        with set_forward_context(ForwardContext(self.metadata(size, bound, width), self.caches)):
+            hidden = self.model(cols[INPUT_IDS], cols[POSITIONS])
+        logits = self.model.compute_logits(hidden, out=self.logits[:tokens])
+        return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
+
+    def metadata(self, size: int, bound: int, width: int = 1) -> AttentionMetadata:
+        """The attention metadata of a captured step of ``size`` rows of ``width`` tokens, read from the static
+        buffers. Its host values describe the captured shape: ``bound`` bounds every seq_len, which is all the
+        attention kernels need from the host (to size their splits)."""
+        tokens = size * width
+        cols = self.rows[:, :tokens]
         meta = AttentionMetadata(
             query_start_loc=list(range(0, tokens + 1, width)),
             context_lens=[bound - width] * size,
@@ -194,10 +203,7 @@ class DecodeGraphs:
         meta.token_seq_lens = cols[SEQ_LENS].to(torch.int32)
         seq_ids = torch.arange(tokens, device=self.device)
         meta.token_seq_ids = seq_ids if width == 1 else seq_ids // width
-        with set_forward_context(ForwardContext(meta, self.caches)):
-            hidden = self.model(cols[INPUT_IDS], cols[POSITIONS])
-        logits = self.model.compute_logits(hidden, out=self.logits[:tokens])
-        return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
+        return meta
 
     def forget(self, request_ids) -> None:
         """These requests' block tables were freed or resent (finished, preempted, new)."""
@@ -240,7 +246,7 @@ class DecodeGraphs:
                                    self.block_size, width)  # fmt: skip
         longest = max(s.context_len + len(s.token_ids) for s in rows)
         n = len(rows) * width
-        return DecodeOutput(*(x[:n] for x in self._launch(size, self._bound(longest), width)))
+        return DecodeOutput(*(x[:n] for x in self._launch(size, self.bound(longest), width)))
 
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
                      patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
@@ -260,9 +266,10 @@ class DecodeGraphs:
 
     def bound_for(self, rows: list[ScheduledRequest], num_steps: int = 1) -> int:
         """The smallest bound over every row's length in the next ``num_steps`` steps."""
-        return self._bound(max(s.context_len for s in rows) + num_steps)
+        return self.bound(max(s.context_len for s in rows) + num_steps)
 
-    def _bound(self, longest: int) -> int:
+    def bound(self, longest: int) -> int:
+        """The smallest bound of at least ``longest`` positions (the largest where none is)."""
         return next((b for b in self.bounds if b >= longest), self.bounds[-1])
 
     def _fill(self, input_ids: list[int], rows: list[ScheduledRequest], patch: InputPatch | None) -> int:
@@ -334,14 +341,15 @@ class HostBlockTables:
 
 def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables: HostBlockTables,
                         input_ids: list[int], rows: list[ScheduledRequest], sizes: tuple[int, ...],
-                        block_size: int, width: int = 1) -> int:  # fmt: skip
+                        block_size: int, width: int = 1, num_tokens: list[int] | None = None) -> int:  # fmt: skip
     """Writes a step's n rows into the static buffers (every column past them as padding); the graph
     size to replay. The whole of ``buffers`` goes up in one contiguous copy: on a GPU that is one
     transfer, where its first columns alone would be a transfer and a strided copy kernel.
 
     ``width`` 1: decode rows, one token each. Otherwise verification rows ``[t, d1 .. dj]`` of up to
     ``width`` tokens each, row r's token i in column r * width + i; a row's columns past its tokens are
-    padding (no cache write, seq_len 0) and its row-level values sit in column r."""
+    padding (no cache write, seq_len 0) and its row-level values sit in column r. ``num_tokens``: each
+    row's count of ``input_ids`` where it is not ``len(token_ids)`` (MTP drafting's fill)."""
     n = len(rows)
     size = next(s for s in sizes if s >= n)
     columns = max(len(s.block_ids) for s in rows)
@@ -354,7 +362,8 @@ def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables
     if width == 1:
         row_of, positions, cols = np.arange(n), context, slice(0, n)
     else:  # row r's token j: column r * width + j, position context_len + j
-        lens = np.fromiter((len(s.token_ids) for s in rows), np.int64, n)
+        counts = num_tokens if num_tokens is not None else (len(s.token_ids) for s in rows)
+        lens = np.fromiter(counts, np.int64, n)
         row_of = np.repeat(np.arange(n), lens)
         j = np.arange(len(row_of)) - np.repeat(np.cumsum(lens) - lens, lens)
         cols, positions = row_of * width + j, context[row_of] + j

@@ -20,7 +20,7 @@ from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
 from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_decode_graphs
 from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
-from atom.worker.drafters import DraftContext, make_drafter
+from atom.worker.drafters import DraftContext, TokenHistories, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import accept_greedy, emitted_logprobs, verify
 
@@ -74,6 +74,8 @@ class ModelRunner:
         self.drafter = make_drafter(config, self.model)
         # captured pure-decode forwards (CUDA only; None: every step runs eagerly)
         self.decode_graphs = capture_decode_graphs(config, self.model, self.caches)
+        if self.drafter is not None:
+            self.drafter.capture_graphs(self.decode_graphs)
         # Async scheduling: greedy steps on the graphs return before their tokens reach the host
         # (atom/worker/deferred.py); these are the ones not yet known to be there, oldest first.
         self.defer_tokens = defers_tokens(config, self.drafter is not None)
@@ -365,8 +367,8 @@ class ModelRunner:
             query_start_loc=starts,
             hidden_states=hidden,
             emitted=out.sampled,
-            token_history={s.request_id: self.requests[s.request_id].prompt_token_ids
-                           + self.requests[s.request_id].output_token_ids for s in rows},
+            token_history=TokenHistories({s.request_id: (self.requests[s.request_id].prompt_token_ids,
+                                                         self.requests[s.request_id].output_token_ids) for s in rows}),
             caches=self.caches,
             block_size=self.config.block_size,
         )

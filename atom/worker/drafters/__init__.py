@@ -6,9 +6,36 @@ proposes up to ``num_speculative_tokens`` tokens per request for the next step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+
+class TokenHistories(Mapping):
+    """Request id -> its prompt + output tokens, joined only for the rows a drafter asks for (MTP reads a few
+    tokens a row: joining every row's whole history each step would cost more than its drafting at long
+    contexts)."""
+
+    def __init__(self, parts: dict[str, tuple[list[int], list[int]]]) -> None:
+        self._parts = parts  # request id -> (prompt, outputs)
+
+    def __getitem__(self, request_id: str) -> list[int]:
+        prompt, outputs = self._parts[request_id]
+        return prompt + outputs
+
+    def __iter__(self):
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def span(self, request_id: str, start: int, stop: int) -> list[int]:
+        """history[start:stop], without joining the whole history."""
+        prompt, outputs = self._parts[request_id]
+        if start >= len(prompt):
+            return outputs[start - len(prompt) : stop - len(prompt)]
+        return prompt[start:stop] + outputs[: max(0, stop - len(prompt))]
 
 
 @dataclass
@@ -19,7 +46,7 @@ class DraftContext:
     query_start_loc: list[int]
     hidden_states: torch.Tensor  # [T, D] the target's final hidden states for the step
     emitted: dict[str, list[int]]  # request id -> tokens produced this step
-    token_history: dict[str, list[int]]  # every row's prompt + outputs, including emitted
+    token_history: Mapping[str, list[int]]  # every row's prompt + outputs, including emitted (TokenHistories)
     caches: dict = field(default_factory=dict)  # the runner's cache tensors by layer
     block_size: int = 16
 

@@ -1,0 +1,133 @@
+"""MTP drafting on the GPU: its fill and k chained drafts as one CUDA graph, against drafting eagerly.
+
+    python bench/mtp_drafting_gpu.py --batches 1,16,64 --num-drafts 3
+
+bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model (bf16), given one
+MTP layer of random weights (MLA attention and MoE, as its MLA layers). Its
+drafts are random, so verification accepts next to none and a step emits one
+token: what this measures is what drafting adds to a step. One engine with MTP
+speculation drafts on its graphs and eagerly (``drafter.graphs`` set to None)
+in turns whose order alternates with the batch; a second engine decodes without
+speculation (decode graphs, overlap) for scale. Per batch: decode tok/s as in
+decode_gpu.py (batch * N / (t(1 + N new tokens) - t(1 new token)), median of
+three) and the mean wall time of the drafter's ``propose`` a step in those runs
+(it ends copying the drafts to the host, so that is the drafting's whole time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def add_mtp_layer(src: str, dst: str, seed: int = 1) -> str:
+    """``src``'s checkpoint (linked) plus one MTP layer of random bf16 weights, in ``dst``."""
+    from safetensors.torch import save_file
+
+    from atom.models.kimi_linear import KimiLinearForCausalLM
+
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "config.json" and not os.path.exists(os.path.join(dst, name)):
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = 1
+    with torch.device("meta"):  # the parameters' names and shapes, no memory
+        model = KimiLinearForCausalLM(cfg, torch.bfloat16)
+    prefix = f"model.layers.{model.args.num_hidden_layers}."
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in model.named_parameters():
+        if not name.startswith(prefix):
+            continue
+        if name.endswith("norm.weight") or "layernorm" in name:
+            t = torch.ones(p.shape)
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.zeros(p.shape)
+        else:
+            t = torch.randn(p.shape, generator=gen) * 0.02
+        tensors[name] = t.to(torch.bfloat16 if p.dtype == torch.bfloat16 else p.dtype).contiguous()
+    save_file(tensors, os.path.join(dst, "model-mtp.safetensors"))
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return dst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--num-drafts", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/mtp_drafting_gpu.py needs a CUDA GPU")
+
+    from atom import LLM, SamplingParams
+    from bench.decode_gpu import make_model, timed
+
+    make_model(args.ckpt)
+    torch.cuda.empty_cache()
+    mtp_ckpt = add_mtp_layer(args.ckpt, args.ckpt + "_mtp")
+    k, n_new = args.num_drafts, args.output_len
+    greedy = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (1, 1 + n_new)]
+    gen = torch.Generator().manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens")
+    print(f"{'batch':>5} | {'plain tok/s':>11} {'graphs tok/s':>12} {'eager tok/s':>11} | {'graphs/eager':>12} "
+          f"{'graphs/plain':>12} | {'draft ms graphs':>15} {'draft ms eager':>14} | {'tokens/verif':>12}")
+    for i, batch in enumerate(int(b) for b in args.batches.split(",")):
+        inputs = [{"prompt_token_ids": q} for q in torch.randint(3, 32000, (batch, args.input_len),
+                                                                 generator=gen).tolist()]  # fmt: skip
+        kw = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=args.input_len + n_new + 2 * k + 8,
+                  max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
+                  kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
+        plain = LLM(args.ckpt, **kw)
+        spec = LLM(mtp_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+        drafter = spec.engine.runner.drafter
+        graphs, propose, spent = drafter.graphs, drafter.propose, []
+        if graphs is None or batch > graphs.sizes[-1]:
+            print(f"{batch:>5}: no MTP drafting graph of {batch} rows; skipped")
+            continue
+
+        def timed_propose(ctx):
+            t = time.perf_counter()
+            drafts = propose(ctx)
+            spent.append(time.perf_counter() - t)
+            return drafts
+
+        drafter.propose = timed_propose
+
+        def tps(llm) -> float:
+            t1 = sorted(timed(lambda: llm.generate(inputs, greedy[0], use_tqdm=False)) for _ in range(3))[1]
+            spent.clear()
+            tn = sorted(timed(lambda: llm.generate(inputs, greedy[1], use_tqdm=False)) for _ in range(3))[1]
+            return batch * n_new / (tn - t1)
+
+        base = tps(plain)
+        got = {}
+        for mode in ("graphs", "eager") if i % 2 == 0 else ("eager", "graphs"):
+            drafter.graphs = graphs if mode == "graphs" else None
+            sched = spec.engine.scheduler
+            drafts0, accepted0 = sched.num_draft_tokens, sched.num_accepted_tokens
+            rate = tps(spec)
+            per_step = sum(spent) / max(len(spent), 1) * 1e3
+            steps = (sched.num_draft_tokens - drafts0) / k
+            got[mode] = rate, per_step, (sched.num_accepted_tokens - accepted0) / max(steps, 1) + 1
+        (g, g_ms, emitted), (e, e_ms, _) = got["graphs"], got["eager"]
+        print(f"{batch:>5} | {base:>11.0f} {g:>12.0f} {e:>11.0f} | {g / e:>12.2f} {g / base:>12.2f} | "
+              f"{g_ms:>15.3f} {e_ms:>14.3f} | {emitted:>12.2f}", flush=True)  # fmt: skip
+        plain = spec = drafter = graphs = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""MTP drafting on the decode graphs' static buffers (atom/worker/drafters/mtp_graphs.py), checked on the CPU.
+
+As in test_cuda_graph_buffers.py, a "graph" here is the captured forward run
+eagerly over the static buffers, and the layers take their kernel-shaped decode
+path with the kernel wrappers' torch references. The drafts must equal the
+eager drafter's, and so must what it writes into the MTP layer's cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from atom import LLM, SamplingParams
+from atom.engine.scheduler_output import ScheduledRequest
+from atom.worker.drafters import DraftContext, TokenHistories
+from atom.worker.drafters.mtp_graphs import MTPGraphs
+from tests import checkpoints
+from tests.test_cuda_graph_buffers import EagerDecodeGraphs
+
+
+class EagerMTPGraphs(MTPGraphs):
+    """Runs the captured drafting eagerly over the static buffers instead of replaying a graph."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.launched: list[int] = []
+
+    def _launch(self, size: int, bound: int) -> torch.Tensor:
+        self.launched.append(size)
+        return self._forward(size, bound)
+
+
+@pytest.fixture(scope="module")
+def kimi_mtp_ckpt(tmp_path_factory) -> str:
+    path = checkpoints.make_kimi_checkpoint(str(tmp_path_factory.mktemp("kimi_mtp")), "kda_mla")
+    return checkpoints.add_mtp_weights(path)
+
+
+def _mtp_llm(path: str, k: int, graphs: bool, **kwargs) -> LLM:
+    """An fp32 engine with MTP speculation, its decode and verification steps on the (eager) graphs, and its
+    drafting on them too where ``graphs``."""
+    llm = LLM(path, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kwargs)  # fmt: skip
+    runner = llm.engine.runner
+    runner.decode_graphs = EagerDecodeGraphs(llm.config, runner.model, runner.caches, runner.device)
+    if graphs:
+        runner.drafter.graphs = EagerMTPGraphs(runner.model, runner.decode_graphs, k)
+    return llm
+
+
+def test_token_histories_join_only_what_is_asked():
+    rng = random.Random(0)
+    parts = {f"r{i}": ([rng.randrange(100) for _ in range(rng.randrange(1, 9))],
+                       [rng.randrange(100) for _ in range(rng.randrange(0, 9))]) for i in range(20)}  # fmt: skip
+    histories = TokenHistories(parts)
+    assert sorted(histories) == sorted(parts) and len(histories) == len(parts)
+    for rid, (prompt, outputs) in parts.items():
+        assert histories[rid] == prompt + outputs
+        for start in range(len(prompt) + len(outputs) + 1):
+            for stop in range(start, len(prompt) + len(outputs) + 2):
+                assert histories.span(rid, start, stop) == (prompt + outputs)[start:stop], (rid, start, stop)
+
+
+# (context_len, drafts scheduled, drafts accepted): a row verified with some drafts accepted, a decode row, a row
+# that accepted all, a row with fewer drafts than k, a row that accepted none
+ROWS = [(20, 3, 2), (7, 0, 0), (33, 3, 3), (12, 1, 0), (5, 3, 0)]
+
+
+def _draft_context(runner, k: int, layout: str, seed: int) -> DraftContext:
+    """A step's rows as ROWS (k = 3) after verification, with random tokens, hidden states and block tables;
+    ``layout`` "flat": the rows' tokens back to back (an eager step), "padded": row r's at r * (1 + k)."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size, blocks = runner.config.block_size, torch.randperm(runner.layout.num_blocks, generator=gen).tolist()
+    rows, emitted, parts, flat = [], {}, {}, []
+    for i, (context, drafts, accepted) in enumerate(ROWS):
+        rid = f"r{i}"
+        drafts = torch.randint(3, 200, (drafts,), generator=gen).tolist()
+        need = -(-(context + 1 + k + k) // block_size)
+        rows.append(ScheduledRequest(rid, [7 + i] + drafts, context, [blocks.pop() for _ in range(need)], -1, True,
+                                     draft_token_ids=drafts))  # fmt: skip
+        emitted[rid] = drafts[:accepted] + torch.randint(3, 200, (1,), generator=gen).tolist()
+        prompt = torch.randint(3, 200, (context,), generator=gen).tolist()
+        parts[rid] = (prompt, [7 + i] + emitted[rid])
+        flat.append(1 + len(drafts))
+    width = 1 + k
+    hidden_size = runner.model.lm_head.in_features
+    tokens = torch.randn(sum(flat), hidden_size, generator=gen)
+    if layout == "flat":
+        starts = [sum(flat[:i]) for i in range(len(rows) + 1)]
+        hidden = tokens
+    else:
+        starts = list(range(0, len(rows) * width + 1, width))
+        hidden = torch.randn(len(rows) * width, hidden_size, generator=gen)  # padding columns: anything
+        for r, n in enumerate(flat):
+            hidden[r * width : r * width + n] = tokens[sum(flat[:r]) : sum(flat[:r]) + n]
+    return DraftContext(rows=rows, query_start_loc=starts, hidden_states=hidden, emitted=emitted,
+                        token_history=TokenHistories(parts), caches=runner.caches, block_size=block_size)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["flat", "padded"])
+def test_graph_drafting_matches_eager_for_every_accepted_count(kimi_mtp_ckpt, kernel_shaped_layers, layout):
+    """Rows that accepted 0 .. k drafts (and rows with fewer drafts, or none) get the eager drafter's drafts, and
+    the MTP layer's cache ends the same, whether the step's hidden states lie back to back or padded per row."""
+    k = 3
+    llm = _mtp_llm(kimi_mtp_ckpt, k, graphs=True)
+    runner = llm.engine.runner
+    drafter, graphs = runner.drafter, runner.drafter.graphs
+    mtp_layer = runner.model.args.num_hidden_layers
+    (cache,) = runner.caches[mtp_layer]
+    cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(1)))  # earlier positions: anything
+    before = cache.clone()
+    results = []
+    for on_graphs in (False, True):
+        cache.copy_(before)
+        drafter.graphs = graphs if on_graphs else None
+        ctx = _draft_context(runner, k, layout, seed=2)
+        with torch.inference_mode():
+            results.append((drafter.propose(ctx), cache.clone()))
+    (eager, eager_cache), (graph, graph_cache) = results
+    assert graphs.launched == [8]  # five rows, padded to the verification graph of 8
+    assert set(graph) == {f"r{i}" for i in range(len(ROWS))} and all(len(d) == k for d in graph.values())
+    assert graph == eager
+    assert not torch.equal(eager_cache, before)
+    torch.testing.assert_close(graph_cache, eager_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shaped_layers, k):
+    """Through the engine: steps after decode and verification steps draft on the graphs, every other step
+    eagerly; each step's drafts and every token equal the engine's with eager drafting, and all is freed."""
+    prompts = [[3, 4, 5], [5, 6, 7, 8, 9, 10] * 4, list(range(20, 45)), [7] * 8, [11]]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        llm = _mtp_llm(kimi_mtp_ckpt, k, graphs)
+        drafter, proposals = llm.engine.runner.drafter, []
+        propose = drafter.propose
+        drafter.propose = lambda ctx: proposals.append(propose(ctx)) or proposals[-1]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], proposals))
+        assert llm.engine.all_resources_free()
+    assert runs[1] == runs[0]
+    launched = drafter.graphs.launched
+    assert len(launched) >= 8 and len(launched) < len(runs[1][1])  # (steps with a prefill chunk draft eagerly)
+
+
+def test_graph_drafting_covers_only_rows_that_produced_at_most_1_plus_k_valid_tokens(kimi_mtp_ckpt):
+    """Drafting goes to the graphs when every row emitted tokens from at most 1 + k valid positions, within the
+    largest size, its block tables and its positions; anything else drafts eagerly."""
+    from atom.worker.drafters.mtp import Fill
+
+    llm = _mtp_llm(kimi_mtp_ckpt, 2, graphs=True, max_model_len=64)
+    graphs = llm.engine.runner.drafter.graphs
+    assert graphs.sizes == (1, 2, 4, 8)
+
+    def fill(i: int, valid: int, context: int = 10, blocks: int = 2) -> Fill:
+        row = ScheduledRequest(f"r{i}", [3] * valid, context, list(range(blocks)), -1, True)
+        return Fill(row, 0, context, [4] * valid)
+
+    class Ctx:
+        emitted = {f"r{i}": [1] for i in range(10)}
+
+    assert graphs.covers(Ctx, [fill(0, 3), fill(1, 1)])
+    assert not graphs.covers(Ctx, [fill(0, 4)])  # more valid positions than 1 + k
+    assert not graphs.covers(Ctx, [fill(i, 1) for i in range(9)])  # more rows than the largest size
+    chunk = Fill(ScheduledRequest("x", [3], 0, [0], -1, False), 0, 0, [4])  # a prefill chunk: no tokens emitted
+    assert not graphs.covers(Ctx, [fill(0, 1), chunk])
+    assert not graphs.covers(Ctx, [fill(0, 1, blocks=graphs.decode.max_blocks + 1)])
+    assert not graphs.covers(Ctx, [fill(0, 2, context=63)])  # its drafts would pass max_model_len's bound
