@@ -33,8 +33,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from atom.worker.drafters import Drafter  # noqa: E402 - after the path above
 
-class ContinuationDrafter:
+
+class ContinuationDrafter(Drafter):
     """Proposes the next k tokens of each request's known greedy run, draft ``wrong`` made wrong."""
 
     def __init__(self, k: int, runs: list[list[int]], wrong: int | None) -> None:

@@ -16,6 +16,7 @@ import torch
 from atom import LLM, SamplingParams
 from atom.worker import cuda_graph
 from atom.worker.cuda_graph import DecodeGraphs, capture_sizes
+from atom.worker.drafters import Drafter
 from tests import checkpoints
 
 PROMPTS = [[3, 4, 5], [5, 6, 7, 8, 9, 10] * 4, list(range(20, 45)), [7] * 8, list(range(60, 71)), [11]]
@@ -36,7 +37,8 @@ class EagerDecodeGraphs(DecodeGraphs):
         self.launched.append(size)
         self.widths.append(width)
         self.launches.append((bound, int(self.rows[cuda_graph.SEQ_LENS, :size * width].max())))
-        return self._forward(size, bound, width)
+        self.outputs = self._forward(size, bound, width)  # (what a graph's static outputs would hold now)
+        return self.outputs
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -451,7 +453,7 @@ def test_verification_fill_pads_each_row_to_its_width():
         assert tables[i, :3].tolist() == s.block_ids + [0] * (3 - len(s.block_ids)), i
 
 
-class ContinuationDrafter:
+class ContinuationDrafter(Drafter):
     """Proposes the next k tokens of a known run of each prompt, one of them made wrong in turn (so steps
     accept 0 .. k drafts), fewer where the run ends (so rows of one step have different numbers of drafts)."""
 

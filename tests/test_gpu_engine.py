@@ -120,16 +120,17 @@ def test_gpu_verification_steps_on_graphs_match_cpu_reference_and_eager(tmp_path
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, monkeypatch, k):
-    """After decode and verification steps on the graphs, MTP drafting replays its own graph: in fp32 the tokens
-    are the CPU reference path's, and every step's drafts those of the same engine drafting eagerly."""
+    """After decode and verification steps on the graphs, MTP drafting replays its own graphs (right behind a
+    greedy verification's): in fp32 the tokens are the CPU reference path's, and every step's drafts those of
+    the same engine drafting eagerly."""
     from atom import LLM
     from atom.worker.drafters.mtp_graphs import MTPGraphs
 
     launches, inner = [], MTPGraphs._launch
 
-    def counted(self, size: int, bound: int) -> torch.Tensor:
-        launches.append(size)
-        return inner(self, size, bound)
+    def counted(self, size: int, bound: int, after: bool = False) -> torch.Tensor:
+        launches.append(after)
+        return inner(self, size, bound, after)
 
     monkeypatch.setattr(MTPGraphs, "_launch", counted)
     path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False))
@@ -138,16 +139,19 @@ def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, mo
     for on_graphs in (True, False):
         llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k})  # fmt: skip
-        drafter, proposals = llm.engine.runner.drafter, []
-        assert drafter.graphs is not None
+        runner, proposals = llm.engine.runner, []
+        assert runner.drafter.graphs is not None
         if not on_graphs:
-            drafter.graphs = None
-        propose = drafter.propose
-        drafter.propose = lambda ctx: proposals.append(propose(ctx)) or proposals[-1]
+            runner.drafter.graphs = None
+        execute = runner.execute_model
+        runner.execute_model = lambda sched: proposals.append(execute(sched)) or proposals[-1]
         launches.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        assert (len(launches) >= 20) == on_graphs and llm.engine.all_resources_free()
-        runs.append(([o.outputs[0].token_ids for o in outs], proposals))
+        if on_graphs:
+            assert launches.count(True) >= 20 and launches.count(False) >= 1
+        assert not launches or on_graphs
+        assert llm.engine.all_resources_free()
+        runs.append(([o.outputs[0].token_ids for o in outs], [dict(out.draft_token_ids) for out in proposals]))
     assert runs[0][0] == cpu
     assert runs[0] == runs[1]
 

@@ -16,7 +16,9 @@ import torch
 from atom import LLM, SamplingParams
 from atom.engine.scheduler_output import ScheduledRequest
 from atom.worker.drafters import DraftContext, TokenHistories
+from atom.worker.cuda_graph import DecodeOutput, fill_decode_buffers
 from atom.worker.drafters.mtp_graphs import MTPGraphs
+from atom.worker.spec_decode import accept_greedy
 from tests import checkpoints
 from tests.test_cuda_graph_buffers import EagerDecodeGraphs
 
@@ -26,11 +28,12 @@ class EagerMTPGraphs(MTPGraphs):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.launched: list[int] = []
+        self.launched: list[int] = []  # sizes, drafting from the static buffers
+        self.launched_after: list[int] = []  # sizes, drafting from a verification's outputs
 
-    def _launch(self, size: int, bound: int) -> torch.Tensor:
-        self.launched.append(size)
-        return self._forward(size, bound)
+    def _launch(self, size: int, bound: int, after: bool = False) -> torch.Tensor:
+        (self.launched_after if after else self.launched).append(size)
+        return self._forward(size, bound, self.decode.outputs if after else None)
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +72,27 @@ def test_token_histories_join_only_what_is_asked():
 ROWS = [(20, 3, 2), (7, 0, 0), (33, 3, 3), (12, 1, 0), (5, 3, 0)]
 
 
-def _draft_context(runner, k: int, layout: str, seed: int) -> DraftContext:
-    """A step's rows as ROWS (k = 3) after verification, with random tokens, hidden states and block tables;
+def _draft_context(runner, k: int, layout: str, seed: int) -> tuple[DraftContext, list[list[int]]]:
+    """A step's rows as ROWS (k = 3) after greedy verification, with random tokens, hidden states and block
+    tables, and each row's argmax at its 1 + k columns (its accepted drafts, then its own token, then more).
     ``layout`` "flat": the rows' tokens back to back (an eager step), "padded": row r's at r * (1 + k)."""
     gen = torch.Generator().manual_seed(seed)
     block_size, blocks = runner.config.block_size, torch.randperm(runner.layout.num_blocks, generator=gen).tolist()
-    rows, emitted, parts, flat = [], {}, {}, []
+    rows, emitted, parts, flat, argmax = [], {}, {}, [], []
     for i, (context, drafts, accepted) in enumerate(ROWS):
         rid = f"r{i}"
         drafts = torch.randint(3, 200, (drafts,), generator=gen).tolist()
         need = -(-(context + 1 + k + k) // block_size)
         rows.append(ScheduledRequest(rid, [7 + i] + drafts, context, [blocks.pop() for _ in range(need)], -1, True,
                                      draft_token_ids=drafts))  # fmt: skip
-        emitted[rid] = drafts[:accepted] + torch.randint(3, 200, (1,), generator=gen).tolist()
+        # its own token (0 for the row without drafts: the id its padding columns hold), then the drafts after the
+        # rejected one (matches that must not count), then 0s
+        own = int(torch.randint(3, 200, (1,), generator=gen)) if drafts else 0
+        if accepted < len(drafts) and own == drafts[accepted]:  # rejects that draft
+            own += 1
+        argmax.append((drafts[:accepted] + [own] + drafts[accepted + 1 :] + [0] * k)[: 1 + k])
+        emitted[rid] = drafts[:accepted] + [own]
+        assert accept_greedy(drafts, argmax[-1][: len(drafts) + 1]) == emitted[rid]
         prompt = torch.randint(3, 200, (context,), generator=gen).tolist()
         parts[rid] = (prompt, [7 + i] + emitted[rid])
         flat.append(1 + len(drafts))
@@ -96,14 +107,32 @@ def _draft_context(runner, k: int, layout: str, seed: int) -> DraftContext:
         hidden = torch.randn(len(rows) * width, hidden_size, generator=gen)  # padding columns: anything
         for r, n in enumerate(flat):
             hidden[r * width : r * width + n] = tokens[sum(flat[:r]) : sum(flat[:r]) + n]
-    return DraftContext(rows=rows, query_start_loc=starts, hidden_states=hidden, emitted=emitted,
-                        token_history=TokenHistories(parts), caches=runner.caches, block_size=block_size)  # fmt: skip
+    ctx = DraftContext(rows=rows, query_start_loc=starts, hidden_states=hidden, emitted=emitted,
+                       token_history=TokenHistories(parts), caches=runner.caches, block_size=block_size)  # fmt: skip
+    return ctx, argmax
 
 
-@pytest.mark.parametrize("layout", ["flat", "padded"])
-def test_graph_drafting_matches_eager_for_every_accepted_count(kimi_mtp_ckpt, kernel_shaped_layers, layout):
+def _draft_after_verification(runner, ctx: DraftContext, argmax: list[list[int]]) -> dict[str, list[int]]:
+    """The drafts of ``ctx``'s rows drafted from a verification's outputs (its buffers as the verification graph
+    left them, its argmax ``argmax``) before anything reached the host."""
+    decode, k = runner.decode_graphs, runner.drafter.k
+    width, rows = 1 + k, ctx.rows
+    size = fill_decode_buffers(decode.rows, decode.tables, decode.host_tables, [t for s in rows for t in s.token_ids],
+                               rows, decode.verify_sizes, decode.block_size, width)  # fmt: skip
+    hidden = torch.randn(size * width, ctx.hidden_states.shape[1])  # padding rows: anything
+    hidden[: len(rows) * width] = ctx.hidden_states
+    greedy = torch.randint(3, 200, (size * width,))
+    greedy[: len(rows) * width] = torch.tensor([t for row in argmax for t in row])
+    decode.outputs = DecodeOutput(hidden, None, greedy)
+    drafts = runner.drafter.draft_after_verification(rows)
+    return {s.request_id: column for s, column in zip(rows, drafts.T.tolist())}
+
+
+@pytest.mark.parametrize("source", ["flat", "padded", "verification"])
+def test_graph_drafting_matches_eager_for_every_accepted_count(kimi_mtp_ckpt, kernel_shaped_layers, source):
     """Rows that accepted 0 .. k drafts (and rows with fewer drafts, or none) get the eager drafter's drafts, and
-    the MTP layer's cache ends the same, whether the step's hidden states lie back to back or padded per row."""
+    the MTP layer's cache ends the same: drafting from the static buffers with the step's hidden states back to
+    back or padded per row, and drafting from a greedy verification's outputs (its own acceptance)."""
     k = 3
     llm = _mtp_llm(kimi_mtp_ckpt, k, graphs=True)
     runner = llm.engine.runner
@@ -116,35 +145,58 @@ def test_graph_drafting_matches_eager_for_every_accepted_count(kimi_mtp_ckpt, ke
     for on_graphs in (False, True):
         cache.copy_(before)
         drafter.graphs = graphs if on_graphs else None
-        ctx = _draft_context(runner, k, layout, seed=2)
+        ctx, argmax = _draft_context(runner, k, "flat" if source == "flat" else "padded", seed=2)
         with torch.inference_mode():
-            results.append((drafter.propose(ctx), cache.clone()))
+            if on_graphs and source == "verification":
+                drafts = _draft_after_verification(runner, ctx, argmax)
+            else:
+                drafts = drafter.propose(ctx)
+        results.append((drafts, cache.clone()))
     (eager, eager_cache), (graph, graph_cache) = results
-    assert graphs.launched == [8]  # five rows, padded to the verification graph of 8
+    assert (graphs.launched, graphs.launched_after) == (([], [8]) if source == "verification" else ([8], []))
     assert set(graph) == {f"r{i}" for i in range(len(ROWS))} and all(len(d) == k for d in graph.values())
     assert graph == eager
     assert not torch.equal(eager_cache, before)
     torch.testing.assert_close(graph_cache, eager_cache, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shaped_layers, k):
-    """Through the engine: steps after decode and verification steps draft on the graphs, every other step
-    eagerly; each step's drafts and every token equal the engine's with eager drafting, and all is freed."""
+@pytest.mark.parametrize("k, sampled", [(1, False), (2, False), (3, False), (2, True)])
+def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shaped_layers, k, sampled):
+    """Through the engine: steps after decode and verification steps draft on the graphs, right behind the
+    verification where every row is greedy, every other step eagerly; each step's drafts and every token equal
+    the engine's with eager drafting, and all is freed."""
     prompts = [[3, 4, 5], [5, 6, 7, 8, 9, 10] * 4, list(range(20, 45)), [7] * 8, [11]]
-    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True) for _ in prompts]
+    if sampled:  # one seeded sampled row: its verification is sampled on the host, so the drafting follows it
+        params[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True)
     runs = []
     for graphs in (False, True):
         llm = _mtp_llm(kimi_mtp_ckpt, k, graphs)
-        drafter, proposals = llm.engine.runner.drafter, []
-        propose = drafter.propose
-        drafter.propose = lambda ctx: proposals.append(propose(ctx)) or proposals[-1]
+        proposals = _record_drafts(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], proposals))
         assert llm.engine.all_resources_free()
     assert runs[1] == runs[0]
-    launched = drafter.graphs.launched
-    assert len(launched) >= 8 and len(launched) < len(runs[1][1])  # (steps with a prefill chunk draft eagerly)
+    graphs = llm.engine.runner.drafter.graphs
+    if sampled:  # (until the sampled row ends)
+        assert len(graphs.launched) >= 8 and len(graphs.launched) > len(graphs.launched_after)
+    else:  # from the static buffers after the first decode steps only
+        assert len(graphs.launched_after) >= 8 and len(graphs.launched) >= 1
+    assert len(graphs.launched_after) + len(graphs.launched) < len(proposals)  # steps with a prefill chunk: eager
+
+
+def _record_drafts(llm: LLM) -> list[dict[str, list[int]]]:
+    """Each step's drafts, as the runner returns them."""
+    runner, proposals = llm.engine.runner, []
+    execute = runner.execute_model
+
+    def recording(sched):
+        out = execute(sched)
+        proposals.append(dict(out.draft_token_ids))
+        return out
+
+    runner.execute_model = recording
+    return proposals
 
 
 def test_graph_drafting_covers_only_rows_that_produced_at_most_1_plus_k_valid_tokens(kimi_mtp_ckpt):

@@ -10,6 +10,7 @@ from atom import SamplingParams
 from atom.config import EngineConfig, SpeculativeConfig
 from atom.engine.engine_core import EngineCore
 from atom.layers.cache_spec import RecurrentStateSpec
+from atom.worker.drafters import Drafter
 from atom.worker.sampler import SamplingBatch
 from atom.worker.spec_decode import target_probs, verify
 from tests import checkpoints
@@ -129,7 +130,7 @@ def test_mtp_without_weights_is_a_clear_error(llama_ckpt):
 
 # -- a scripted drafter: the reference continuation with chosen errors -----------------
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes the known greedy continuation, corrupting draft index ``wrong`` (None: none)."""
 
     def __init__(self, k: int, continuation: dict[str, list[int]], wrong: int | None, vocab: int) -> None:

@@ -135,7 +135,7 @@ class ModelRunner:
         together = self._greedy_together(rows)
         self._sample(rows, starts, hidden, out, defer=chained, graph=graph, skip=together)
         self._verify(rows, starts, hidden, out, graph, together)
-        if self.drafter is not None and out.sampled:
+        if self.drafter is not None and out.sampled and not out.draft_token_ids:  # (drafted in _verify: none left)
             self._propose(rows, starts, hidden, out)
         return out
 
@@ -338,7 +338,8 @@ class ModelRunner:
                                                  starts[i] + len(s.token_ids))], self.device)  # fmt: skip
             argmax = graph.greedy[positions] if graph is not None else \
                 self.model.compute_logits(hidden[positions]).argmax(dim=-1)  # fmt: skip
-            targets, at = self._to_host(argmax), 0
+            targets = self._targets_and_drafts(rows, argmax, graph is not None and len(greedy) == len(rows), out)
+            at = 0
             for _, s, st in greedy:
                 k = len(s.draft_token_ids)
                 tokens = accept_greedy(s.draft_token_ids, targets[at : at + k + 1])
@@ -360,6 +361,20 @@ class ModelRunner:
             out.sampled[s.request_id] = tokens
             if st.sampling_params.logprobs is not None:
                 out.logprobs[s.request_id] = emitted_logprobs(logits, tokens, st.sampling_params.logprobs)
+
+    def _targets_and_drafts(self, rows, argmax: torch.Tensor, all_greedy_on_graphs: bool,
+                            out: RunnerOutput) -> list[int]:  # fmt: skip
+        """The greedy verification's argmax on the host. When every row verifies greedily on a verification graph
+        and the drafter can draft right behind it (``Drafter.draft_after_verification``), its drafts come back in
+        the same copy, into ``out.draft_token_ids``."""
+        drafter = self.drafter if all_greedy_on_graphs else None
+        drafts = drafter.draft_after_verification(rows) if drafter is not None else None
+        if drafts is None:
+            return self._to_host(argmax)
+        host, n = self._to_host(torch.cat([argmax, drafts.flatten()])), len(rows)
+        targets, flat = host[: argmax.numel()], host[argmax.numel() :]  # drafts depth-major: row i's at i::n
+        out.draft_token_ids = {s.request_id: flat[i::n] for i, s in enumerate(rows)}
+        return targets
 
     def _propose(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
         ctx = DraftContext(

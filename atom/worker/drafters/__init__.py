@@ -38,6 +38,24 @@ class TokenHistories(Mapping):
         return prompt[start:stop] + outputs[: max(0, stop - len(prompt))]
 
 
+class Drafter:
+    """What the runner asks of a drafter; each drafter has its own ``propose``."""
+
+    def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
+        """Up to k drafts for each row that produced tokens this step."""
+        raise NotImplementedError
+
+    def capture_graphs(self, decode_graphs) -> None:
+        """Capture CUDA graphs of its drafting beside the runner's ``decode_graphs`` (None where it has none).
+        By default there is nothing to capture."""
+
+    def draft_after_verification(self, rows: list) -> torch.Tensor | None:
+        """Right behind a verification step on the graphs whose rows all verify greedily: the rows' drafts
+        [k, n] on the device, drafted before the host has seen the step's tokens. None (the default): the
+        runner calls ``propose`` once it has."""
+        return None
+
+
 @dataclass
 class DraftContext:
     """What a drafter may look at after one step."""

@@ -12,7 +12,8 @@ sharing the request's block table). Each step:
    the valid ones; the scheduler reserves k lookahead slots for them).
 
 On a GPU with decode graphs, a step whose rows all decoded or verified runs
-both parts as one CUDA graph (mtp_graphs.py); other steps run them eagerly.
+both parts as one CUDA graph (mtp_graphs.py), replayed right behind the
+verification's where every row verifies greedily; other steps run them eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context, upload
-from atom.worker.drafters import DraftContext
+from atom.worker.drafters import DraftContext, Drafter
 
 
 class Fill(NamedTuple):
@@ -34,7 +35,7 @@ class Fill(NamedTuple):
     ids: list[int]
 
 
-class MTPDrafter:
+class MTPDrafter(Drafter):
     def __init__(self, config, model) -> None:
         if not getattr(model, "num_mtp_layers", 0):
             raise ValueError(
@@ -50,6 +51,9 @@ class MTPDrafter:
         from atom.worker.drafters.mtp_graphs import capture_mtp_graphs
 
         self.graphs = capture_mtp_graphs(self.model, decode_graphs, self.k)
+
+    def draft_after_verification(self, rows) -> torch.Tensor | None:
+        return None if self.graphs is None else self.graphs.draft_after_verification(rows)
 
     def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
         fills = [self._fill_row(ctx, i, s) for i, s in enumerate(ctx.rows)]

@@ -23,6 +23,24 @@ The graph writes the MTP layer's cache at the positions the eager path writes
 (the fill's, then the chain's lookahead positions, which the next fill
 overwrites), so the two paths give the same drafts. Steps with other rows (a
 prefill chunk, more rows than the largest verification graph) draft eagerly.
+
+Between a verification step and that drafting the GPU idles while the host
+accepts the drafts and fills the buffers. Where every row of a verification
+step verifies greedily (no sampling, penalties or logprobs), the acceptance
+is the argmax's, so a second graph per size and bound drafts straight from the
+verification graph's outputs, replayed right behind it: its accepted counts
+come from comparing the drafts in the input ids with the argmax (the longest
+run of matches, within each row's own drafts), and since an accepted draft
+equals the argmax at its position, the fill's tokens (each position's next
+token) are the argmax at those positions::
+
+    verification row r:  ids     t   d1  d2  d3      (columns r*w .. r*w + 3)
+                         argmax  a0  a1  a2  a3      d1 == a0, d2 == a1, d3 != a2: 2 accepted
+    its fill:            ids     a0  a1  a2  -       positions, slots, hidden states: the verification's;
+                                                     the columns past 1 + accepted write nowhere (slot -1)
+
+The runner copies the argmax and the drafts to the host together (one copy),
+and the host's acceptance of the same argmax gives the same counts.
 """
 
 from __future__ import annotations
@@ -32,8 +50,8 @@ import logging
 import torch
 
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, STATE_SLOTS
-from atom.worker.cuda_graph import DecodeGraphs, as_index, fill_decode_buffers
+from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_SLOTS
+from atom.worker.cuda_graph import DecodeGraphs, DecodeOutput, as_index, fill_decode_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +69,24 @@ class MTPGraphs:
         # the target's hidden states at each fill position, laid out as the fill's columns
         self.hidden = torch.zeros(self.sizes[-1] * self.width, head.in_features, dtype=head.weight.dtype,
                                   device=decode_graphs.device)  # fmt: skip
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, bound, after verification): drafts [k, size] (module docstring)
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per (size, bound), most rows first, in the decode graphs' memory pool."""
+        """Two graphs per (size, bound), most rows first, in the decode graphs' memory pool: drafting from the
+        static buffers, and drafting from the outputs of the verification graph of that size and bound."""
         device = self.decode.device
         for bound in reversed(self.decode.bounds):
             for size in reversed(self.sizes):
-                self._forward(size, bound)  # warm-up outside the capture
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.decode.pool):
-                    drafts = self._forward(size, bound)
-                self.graphs[size, bound] = (graph, drafts)
+                for after in (False, True):
+                    source = self.decode.graphs[size, bound, self.width][1] if after else None
+                    self._forward(size, bound, source)  # warm-up outside the capture
+                    torch.cuda.synchronize(device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.decode.pool):
+                        drafts = self._forward(size, bound, source)
+                    self.graphs[size, bound, after] = (graph, drafts)
         torch.cuda.synchronize(device)
 
     def covers(self, ctx, fills) -> bool:
@@ -101,15 +123,45 @@ class MTPGraphs:
         dst = [r * w + j for r, c in enumerate(counts) for j in range(c)]
         self.hidden[as_index(dst, hidden.device)] = hidden[as_index(src, hidden.device)]
 
-    def _forward(self, size: int, bound: int) -> torch.Tensor:
-        """The captured drafting of ``size`` rows: drafts [k, size] (module docstring)."""
-        decode, model, w = self.decode, self.model, self.width
+    def draft_after_verification(self, rows) -> torch.Tensor | None:
+        """Right behind a verification step on the graphs whose rows all verify greedily: their drafts [k, n] on
+        the device (not yet copied). None where the chained drafts could pass that graph's bound."""
+        size = next(s for s in self.sizes if s >= len(rows))  # the verification graph's (the same sizes)
+        longest = max(s.context_len + len(s.token_ids) for s in rows)
+        bound = self.decode.bound(longest)
+        if longest + self.k - 1 > bound:
+            return None
+        return self._launch(size, bound, after=True)[:, : len(rows)]
+
+    def _forward(self, size: int, bound: int, verification: DecodeOutput | None = None) -> torch.Tensor:
+        """The captured drafting of ``size`` rows: drafts [k, size]. From the static buffers (``self.hidden``,
+        the rows buffer as ``propose`` fills it) or from ``verification``'s outputs (module docstring)."""
+        decode, w = self.decode, self.width
         cols = decode.rows[:, : size * w]
-        with set_forward_context(ForwardContext(decode.metadata(size, bound, w), decode.caches)):
-            hidden = model.mtp_forward(cols[INPUT_IDS], cols[POSITIONS], self.hidden[: size * w], 0)
-        valid = (cols[SEQ_LENS].view(size, w) > 0).sum(dim=1)
+        meta = decode.metadata(size, bound, w)
+        if verification is None:
+            ids, hidden = cols[INPUT_IDS], self.hidden[: size * w]
+            valid = (cols[SEQ_LENS].view(size, w) > 0).sum(dim=1)
+        else:  # still the verification's buffers
+            ids, hidden = verification.greedy, verification.hidden
+            argmax, inputs = ids.view(size, w), cols[INPUT_IDS].view(size, w)
+            tokens = (cols[SEQ_LENS].view(size, w) > 0).sum(dim=1)  # 1 + the row's drafts; 0 a padding row
+            own = torch.arange(self.k, device=decode.device) < (tokens - 1).unsqueeze(1)
+            accepted = ((inputs[:, 1:] == argmax[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
+            valid = torch.where(tokens > 0, accepted + 1, 0)
+            live = (torch.arange(w, device=decode.device) < valid.unsqueeze(1)).flatten()
+            meta.slot_mapping = torch.where(live, cols[SLOT_MAPPING], -1)  # (the rest attend, and are dropped)
+        return self._draft(size, bound, meta, ids, hidden, valid)
+
+    def _draft(self, size: int, bound: int, meta: AttentionMetadata, ids: torch.Tensor, hidden: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The fill over the rows' columns (``valid`` of each row's), then the chain from each row's last."""
+        decode, model, w = self.decode, self.model, self.width
+        positions = decode.rows[POSITIONS, : size * w]
+        with set_forward_context(ForwardContext(meta, decode.caches)):
+            hidden = model.mtp_forward(ids, positions, hidden, 0)
         last = torch.arange(size, device=decode.device) * w + (valid - 1).clamp(min=0)
-        hidden, positions, live = hidden[last], cols[POSITIONS][last], valid > 0
+        hidden, positions, live = hidden[last], positions[last], valid > 0
         drafts = [model.mtp_logits(hidden, 0).argmax(dim=-1)]
         for depth in range(1, self.k):
             positions = positions + 1
@@ -139,8 +191,8 @@ class MTPGraphs:
         meta.token_seq_ids = torch.arange(size, device=decode.device)
         return meta
 
-    def _launch(self, size: int, bound: int) -> torch.Tensor:
-        graph, drafts = self.graphs[size, bound]
+    def _launch(self, size: int, bound: int, after: bool = False) -> torch.Tensor:
+        graph, drafts = self.graphs[size, bound, after]
         graph.replay()
         return drafts
 

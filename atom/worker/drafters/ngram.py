@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from atom.worker.drafters import DraftContext
+from atom.worker.drafters import DraftContext, Drafter
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
-
-    def capture_graphs(self, decode_graphs) -> None:
-        """Nothing to capture: the lookup runs on the host."""
 
     def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
         return {rid: self.lookup(ctx.token_history[rid]) for rid in ctx.emitted}
