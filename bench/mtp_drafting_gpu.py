@@ -1,4 +1,4 @@
-"""MTP drafting on the GPU: its fill and k chained drafts as one CUDA graph, against drafting eagerly.
+"""MTP drafting on the GPU: on CUDA graphs (right behind a greedy verification, or after it) against eagerly.
 
     python bench/mtp_drafting_gpu.py --batches 1,16,64 --num-drafts 3
 
@@ -6,12 +6,19 @@ bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model (bf16), given one
 MTP layer of random weights (MLA attention and MoE, as its MLA layers). Its
 drafts are random, so verification accepts next to none and a step emits one
 token: what this measures is what drafting adds to a step. One engine with MTP
-speculation drafts on its graphs and eagerly (``drafter.graphs`` set to None)
-in turns whose order alternates with the batch; a second engine decodes without
-speculation (decode graphs, overlap) for scale. Per batch: decode tok/s as in
-decode_gpu.py (batch * N / (t(1 + N new tokens) - t(1 new token)), median of
-three) and the mean wall time of the drafter's ``propose`` a step in those runs
-(it ends copying the drafts to the host, so that is the drafting's whole time).
+speculation (greedy requests) drafts in three ways, in turns whose order
+rotates with the batch:
+
+- "behind": on its graphs, the drafting graph replayed right behind the
+  verification graph and drafting from its outputs (the default);
+- "after": on its graphs, after the host has accepted the drafts
+  (``draft_after_verification`` off);
+- "eager": without its graphs (``drafter.graphs`` None).
+
+A second engine decodes without speculation (decode graphs, overlap) for
+scale. Per batch: decode tok/s as in decode_gpu.py (batch * N / (t(1 + N new
+tokens) - t(1 new token)), median of three) and the median wall time of the
+runner's ``execute_model`` a step (verification and drafting) in those runs.
 """
 
 from __future__ import annotations
@@ -81,9 +88,10 @@ def main() -> None:
     k, n_new = args.num_drafts, args.output_len
     greedy = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (1, 1 + n_new)]
     gen = torch.Generator().manual_seed(0)
+    modes = ("behind", "after", "eager")
     print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens")
-    print(f"{'batch':>5} | {'plain tok/s':>11} {'graphs tok/s':>12} {'eager tok/s':>11} | {'graphs/eager':>12} "
-          f"{'graphs/plain':>12} | {'draft ms graphs':>15} {'draft ms eager':>14} | {'tokens/verif':>12}")
+    print(f"{'batch':>5} | {'plain':>7} " + " ".join(f"{m:>7}" for m in modes) + " tok/s | "
+          + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/after behind/eager behind/plain | tokens/verif")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
         inputs = [{"prompt_token_ids": q} for q in torch.randint(3, 32000, (batch, args.input_len),
                                                                  generator=gen).tolist()]  # fmt: skip
@@ -92,40 +100,45 @@ def main() -> None:
                   kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
         plain = LLM(args.ckpt, **kw)
         spec = LLM(mtp_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
-        drafter = spec.engine.runner.drafter
-        graphs, propose, spent = drafter.graphs, drafter.propose, []
+        runner = spec.engine.runner
+        drafter = runner.drafter
+        graphs, steps = drafter.graphs, []
         if graphs is None or batch > graphs.sizes[-1]:
             print(f"{batch:>5}: no MTP drafting graph of {batch} rows; skipped")
             continue
+        execute = runner.execute_model
 
-        def timed_propose(ctx):
+        def timed_execute(sched):
             t = time.perf_counter()
-            drafts = propose(ctx)
-            spent.append(time.perf_counter() - t)
-            return drafts
+            out = execute(sched)
+            steps.append(time.perf_counter() - t)
+            return out
 
-        drafter.propose = timed_propose
+        runner.execute_model = timed_execute
 
         def tps(llm) -> float:
             t1 = sorted(timed(lambda: llm.generate(inputs, greedy[0], use_tqdm=False)) for _ in range(3))[1]
-            spent.clear()
+            steps.clear()
             tn = sorted(timed(lambda: llm.generate(inputs, greedy[1], use_tqdm=False)) for _ in range(3))[1]
             return batch * n_new / (tn - t1)
 
         base = tps(plain)
-        got = {}
-        for mode in ("graphs", "eager") if i % 2 == 0 else ("eager", "graphs"):
-            drafter.graphs = graphs if mode == "graphs" else None
+        rate, step_ms, emitted = {}, {}, 0.0
+        for mode in modes[i % 3 :] + modes[: i % 3]:
+            drafter.graphs = None if mode == "eager" else graphs
+            drafter.__dict__.pop("draft_after_verification", None)  # the class's method again
+            if mode == "after":
+                drafter.draft_after_verification = lambda rows: None
             sched = spec.engine.scheduler
             drafts0, accepted0 = sched.num_draft_tokens, sched.num_accepted_tokens
-            rate = tps(spec)
-            per_step = sum(spent) / max(len(spent), 1) * 1e3
-            steps = (sched.num_draft_tokens - drafts0) / k
-            got[mode] = rate, per_step, (sched.num_accepted_tokens - accepted0) / max(steps, 1) + 1
-        (g, g_ms, emitted), (e, e_ms, _) = got["graphs"], got["eager"]
-        print(f"{batch:>5} | {base:>11.0f} {g:>12.0f} {e:>11.0f} | {g / e:>12.2f} {g / base:>12.2f} | "
-              f"{g_ms:>15.3f} {e_ms:>14.3f} | {emitted:>12.2f}", flush=True)  # fmt: skip
-        plain = spec = drafter = graphs = None
+            rate[mode] = tps(spec)
+            step_ms[mode] = sorted(steps)[len(steps) // 2] * 1e3
+            emitted = (sched.num_accepted_tokens - accepted0) / max((sched.num_draft_tokens - drafts0) / k, 1) + 1
+        r = rate["behind"]
+        print(f"{batch:>5} | {base:>7.0f} " + " ".join(f"{rate[m]:>7.0f}" for m in modes) + "       | "
+              + " ".join(f"{step_ms[m]:>7.3f}" for m in modes) + f"         | {r / rate['after']:>12.2f} "
+              f"{r / rate['eager']:>12.2f} {r / base:>12.2f} | {emitted:>12.2f}", flush=True)  # fmt: skip
+        plain = spec = runner = drafter = graphs = None
         torch.cuda.empty_cache()
 
 
