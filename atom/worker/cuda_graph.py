@@ -20,7 +20,8 @@ call 3). A step replays the graph of the smallest bound that covers its rows.
 
 Each graph ends with the lm_head and the logits' argmax (a greedy step's
 tokens): on a slow host each of those launches costs as much as its kernel.
-Sampling and drafting stay outside the graph. Every graph writes its logits
+Sampling stays outside the graph (MTP drafting has graphs of its own:
+drafters/mtp_graphs.py). Every graph writes its logits
 into the first rows of one fp32 buffer [S, V] (at Kimi-Linear's 163840-token
 vocabulary a graph of 512 rows alone would hold 335 MB of them): a step reads
 them before the next step's replay, as it must for a graph replayed twice.
