@@ -163,12 +163,7 @@ class DecodeGraphs:
         shapes.sort(key=lambda shape: shape[0] * shape[1], reverse=True)
         for bound in reversed(self.bounds):
             for size, width in shapes:
-                self._forward(size, bound, width)  # warm-up: lazy initialisation (cuBLAS, ...) outside capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = self._forward(size, bound, width)
-                self.graphs[size, bound, width] = (graph, outputs)
+                self.graphs[size, bound, width] = capture_graph(lambda: self._forward(size, bound, width), pool)
         torch.cuda.synchronize(self.device)
 
     def _forward(self, size: int, bound: int, width: int = 1) -> DecodeOutput:
@@ -338,6 +333,17 @@ class HostBlockTables:
             running = {s.request_id for s in rows}
             self.forget([rid for rid in list(self._known) if rid not in running])
         return self._free.pop()
+
+
+def capture_graph(forward: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``forward`` captured into a graph in memory ``pool``, with its outputs; run once before, outside the
+    capture, for lazy initialisation (cuBLAS handles, kernel attributes)."""
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
 
 
 def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables: HostBlockTables,

@@ -50,8 +50,8 @@ import logging
 import torch
 
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_SLOTS
-from atom.worker.cuda_graph import DecodeGraphs, DecodeOutput, as_index, fill_decode_buffers
+from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING
+from atom.worker.cuda_graph import DecodeGraphs, DecodeOutput, as_index, capture_graph, fill_decode_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +76,13 @@ class MTPGraphs:
     def capture(self) -> None:
         """Two graphs per (size, bound), most rows first, in the decode graphs' memory pool: drafting from the
         static buffers, and drafting from the outputs of the verification graph of that size and bound."""
-        device = self.decode.device
         for bound in reversed(self.decode.bounds):
             for size in reversed(self.sizes):
                 for after in (False, True):
                     source = self.decode.graphs[size, bound, self.width][1] if after else None
-                    self._forward(size, bound, source)  # warm-up outside the capture
-                    torch.cuda.synchronize(device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.decode.pool):
-                        drafts = self._forward(size, bound, source)
-                    self.graphs[size, bound, after] = (graph, drafts)
-        torch.cuda.synchronize(device)
+                    self.graphs[size, bound, after] = capture_graph(lambda: self._forward(size, bound, source),
+                                                                    self.decode.pool)  # fmt: skip
+        torch.cuda.synchronize(self.decode.device)
 
     def covers(self, ctx, fills) -> bool:
         """Drafting the graphs can run: every row produced tokens (no prefill chunk) from at most w valid
@@ -173,22 +168,13 @@ class MTPGraphs:
 
     def _chain_metadata(self, size: int, bound: int, positions: torch.Tensor,
                         live: torch.Tensor) -> AttentionMetadata:  # fmt: skip
-        """One token a row at ``positions`` (device), its slot from the row's block table; rows not ``live``
-        (padding) write nowhere (slot -1) and attend to nothing (seq_len 0)."""
-        decode, block_size = self.decode, self.decode.block_size
-        tables = decode.tables[:size]
-        blocks = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-        meta = AttentionMetadata(
-            query_start_loc=list(range(size + 1)),
-            context_lens=[bound - 1] * size,  # host values: the captured shape (DecodeGraphs.metadata)
-            seq_lens=[bound] * size,
-            block_tables=tables,
-            slot_mapping=torch.where(live, blocks * block_size + positions % block_size, -1),
-            state_slots=decode.rows[STATE_SLOTS, :size],
-            block_size=block_size,
-        )
+        """A decode step's metadata (one token a row) at ``positions`` (device), each slot from the row's block
+        table; rows not ``live`` (padding) write nowhere (slot -1) and attend to nothing (seq_len 0)."""
+        block_size = self.decode.block_size
+        meta = self.decode.metadata(size, bound)  # its slots and lengths are the fill's: replaced here
+        blocks = meta.block_tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        meta.slot_mapping = torch.where(live, blocks * block_size + positions % block_size, -1)
         meta.token_seq_lens = torch.where(live, positions + 1, 0).to(torch.int32)
-        meta.token_seq_ids = torch.arange(size, device=decode.device)
         return meta
 
     def _launch(self, size: int, bound: int, after: bool = False) -> torch.Tensor:
