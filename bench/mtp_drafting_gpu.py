@@ -1,13 +1,15 @@
-"""MTP drafting on the GPU: on CUDA graphs (right behind a greedy verification, or after it) against eagerly.
+"""MTP drafting on the GPU: on CUDA graphs (right behind the verification, or after it) against eagerly.
 
     python bench/mtp_drafting_gpu.py --batches 1,16,64 --num-drafts 3
+    python bench/mtp_drafting_gpu.py --batches 1,16,64 --temperature 0.8 --top-p 0.95 --seeded
 
 bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model (bf16), given one
 MTP layer of random weights (MLA attention and MoE, as its MLA layers). Its
 drafts are random, so verification accepts next to none and a step emits one
 token: what this measures is what drafting adds to a step. One engine with MTP
-speculation (greedy requests) drafts in three ways, in turns whose order
-rotates with the batch:
+speculation drafts in three ways, in turns whose order rotates with the batch.
+Its requests are greedy, or sample with ``--temperature`` (and ``--top-p``;
+``--seeded``: each request its own seed, so its own generator):
 
 - "behind": on its graphs, the drafting graph replayed right behind the
   verification graph and drafting from its outputs (the default);
@@ -75,6 +77,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seeded", action="store_true", help="each request with a seed of its own")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/mtp_drafting_gpu.py needs a CUDA GPU")
@@ -86,10 +91,11 @@ def main() -> None:
     torch.cuda.empty_cache()
     mtp_ckpt = add_mtp_layer(args.ckpt, args.ckpt + "_mtp")
     k, n_new = args.num_drafts, args.output_len
-    greedy = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in (1, 1 + n_new)]
     gen = torch.Generator().manual_seed(0)
     modes = ("behind", "after", "eager")
-    print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens")
+    sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
+    print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens; "
+          f"{sampling if args.temperature else 'greedy'}")
     print(f"{'batch':>5} | {'plain':>7} " + " ".join(f"{m:>7}" for m in modes) + " tok/s | "
           + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/after behind/eager behind/plain | tokens/verif")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
@@ -115,11 +121,14 @@ def main() -> None:
             return out
 
         runner.execute_model = timed_execute
+        params = [[SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=n,
+                                  seed=1000 + j if args.seeded else None) for j in range(batch)]
+                  for n in (1, 1 + n_new)]  # fmt: skip
 
         def tps(llm) -> float:
-            t1 = sorted(timed(lambda: llm.generate(inputs, greedy[0], use_tqdm=False)) for _ in range(3))[1]
+            t1 = sorted(timed(lambda: llm.generate(inputs, params[0], use_tqdm=False)) for _ in range(3))[1]
             steps.clear()
-            tn = sorted(timed(lambda: llm.generate(inputs, greedy[1], use_tqdm=False)) for _ in range(3))[1]
+            tn = sorted(timed(lambda: llm.generate(inputs, params[1], use_tqdm=False)) for _ in range(3))[1]
             return batch * n_new / (tn - t1)
 
         base = tps(plain)
@@ -128,7 +137,7 @@ def main() -> None:
             drafter.graphs = None if mode == "eager" else graphs
             drafter.__dict__.pop("draft_after_verification", None)  # the class's method again
             if mode == "after":
-                drafter.draft_after_verification = lambda rows: None
+                drafter.draft_after_verification = lambda rows, targets=None: None
             sched = spec.engine.scheduler
             drafts0, accepted0 = sched.num_draft_tokens, sched.num_accepted_tokens
             rate[mode] = tps(spec)

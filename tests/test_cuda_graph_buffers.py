@@ -455,10 +455,12 @@ def test_verification_fill_pads_each_row_to_its_width():
 
 class ContinuationDrafter(Drafter):
     """Proposes the next k tokens of a known run of each prompt, one of them made wrong in turn (so steps
-    accept 0 .. k drafts), fewer where the run ends (so rows of one step have different numbers of drafts)."""
+    accept 0 .. k drafts), fewer where the run ends (so rows of one step have different numbers of drafts).
+    ``by_history``: the draft made wrong is ``len(history) % (k + 1)``, so a row's drafts depend on its own history
+    only, whatever the batch (else it turns with every row drafted)."""
 
-    def __init__(self, k: int, runs: list[list[int]]) -> None:
-        self.k, self.runs, self.calls = k, runs, 0
+    def __init__(self, k: int, runs: list[list[int]], by_history: bool = False) -> None:
+        self.k, self.runs, self.calls, self.by_history = k, runs, 0, by_history
 
     def propose(self, ctx) -> dict[str, list[int]]:
         out = {}
@@ -468,7 +470,7 @@ class ContinuationDrafter(Drafter):
             # a run left (a sampled row's tokens differ from the plain run's): its last k tokens again
             drafts = history[-self.k :] if run is None else run[len(history) : len(history) + self.k]
             self.calls += 1
-            wrong = self.calls % (self.k + 1)
+            wrong = (len(history) if self.by_history else self.calls) % (self.k + 1)
             if wrong < len(drafts):
                 drafts[wrong] += 1
             out[rid] = drafts

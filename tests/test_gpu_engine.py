@@ -118,12 +118,9 @@ def test_gpu_verification_steps_on_graphs_match_cpu_reference_and_eager(tmp_path
     assert runs[0] == runs[1]
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, monkeypatch, k):
-    """After decode and verification steps on the graphs, MTP drafting replays its own graphs (right behind a
-    greedy verification's): in fp32 the tokens are the CPU reference path's, and every step's drafts those of
-    the same engine drafting eagerly."""
-    from atom import LLM
+@pytest.fixture
+def mtp_launches(monkeypatch) -> list[bool]:
+    """Each replay of an MTP drafting graph: True for one drafting right behind a verification graph."""
     from atom.worker.drafters.mtp_graphs import MTPGraphs
 
     launches, inner = [], MTPGraphs._launch
@@ -133,6 +130,16 @@ def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, mo
         return inner(self, size, bound, after)
 
     monkeypatch.setattr(MTPGraphs, "_launch", counted)
+    return launches
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, mtp_launches, k):
+    """After decode and verification steps on the graphs, MTP drafting replays its own graphs (right behind a
+    greedy verification's): in fp32 the tokens are the CPU reference path's, and every step's drafts those of
+    the same engine drafting eagerly."""
+    from atom import LLM
+
     path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False))
     cpu = _generate(path)
     runs = []
@@ -145,14 +152,44 @@ def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, mo
             runner.drafter.graphs = None
         execute = runner.execute_model
         runner.execute_model = lambda sched: proposals.append(execute(sched)) or proposals[-1]
-        launches.clear()
+        mtp_launches.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         if on_graphs:
-            assert launches.count(True) >= 20 and launches.count(False) >= 1
-        assert not launches or on_graphs
+            assert mtp_launches.count(True) >= 20 and mtp_launches.count(False) >= 1
+        assert not mtp_launches or on_graphs
         assert llm.engine.all_resources_free()
         runs.append(([o.outputs[0].token_ids for o in outs], [dict(out.draft_token_ids) for out in proposals]))
     assert runs[0][0] == cpu
+    assert runs[0] == runs[1]
+
+
+def test_gpu_sampled_rows_draft_behind_the_verification_like_eagerly(tmp_path, mtp_launches):
+    """Seeded sampled rows and a greedy row with a penalty and logprobs, beside plain greedy ones, verify on the
+    device (verify_rows), and MTP drafts right behind their verification graph: every token, logprob and draft
+    equals the same engine's drafting eagerly after the host's acceptance."""
+    from atom import LLM
+
+    path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False))
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.4, logprobs=2, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.1, top_k=40, min_p=0.02, seed=4, max_tokens=24, ignore_eos=True),
+              GREEDY]  # fmt: skip
+    runs = []
+    for on_graphs in (True, False):
+        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
+        runner, proposals = llm.engine.runner, []
+        if not on_graphs:
+            runner.drafter.graphs = None
+        execute = runner.execute_model
+        runner.execute_model = lambda sched: proposals.append(execute(sched)) or proposals[-1]
+        mtp_launches.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], params, use_tqdm=False)
+        if on_graphs:
+            assert mtp_launches.count(True) >= 15
+        assert llm.engine.all_resources_free()
+        runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
+                     [dict(out.draft_token_ids) for out in proposals]))  # fmt: skip
     assert runs[0] == runs[1]
 
 

@@ -35,6 +35,9 @@ class EagerMTPGraphs(MTPGraphs):
         (self.launched_after if after else self.launched).append(size)
         return self._forward(size, bound, self.decode.outputs if after else None)
 
+    def _verification(self, size: int, bound: int) -> DecodeOutput:
+        return self.decode.outputs  # the latest launch's
+
 
 @pytest.fixture(scope="module")
 def kimi_mtp_ckpt(tmp_path_factory) -> str:
@@ -112,9 +115,11 @@ def _draft_context(runner, k: int, layout: str, seed: int) -> tuple[DraftContext
     return ctx, argmax
 
 
-def _draft_after_verification(runner, ctx: DraftContext, argmax: list[list[int]]) -> dict[str, list[int]]:
+def _draft_after_verification(runner, ctx: DraftContext, argmax: list[list[int]],
+                              via_targets: bool = False) -> dict[str, list[int]]:  # fmt: skip
     """The drafts of ``ctx``'s rows drafted from a verification's outputs (its buffers as the verification graph
-    left them, its argmax ``argmax``) before anything reached the host."""
+    left them, its argmax ``argmax``) before anything reached the host. ``via_targets``: rows 0, 2 and 3 instead
+    pass theirs as targets (rows verified by verify_rows), their argmax in the graph's output being junk."""
     decode, k = runner.decode_graphs, runner.drafter.k
     width, rows = 1 + k, ctx.rows
     size = fill_decode_buffers(decode.rows, decode.tables, decode.host_tables, [t for s in rows for t in s.token_ids],
@@ -123,16 +128,23 @@ def _draft_after_verification(runner, ctx: DraftContext, argmax: list[list[int]]
     hidden[: len(rows) * width] = ctx.hidden_states
     greedy = torch.randint(3, 200, (size * width,))
     greedy[: len(rows) * width] = torch.tensor([t for row in argmax for t in row])
+    targets = None
+    if via_targets:
+        index = [0, 2, 3]  # targets as Verdict.targets has them: the accepted drafts, then the emitted token
+        emitted = [ctx.emitted[rows[i].request_id] for i in index]
+        targets = (torch.tensor(index), torch.tensor([e + e[-1:] * (width - len(e)) for e in emitted]))
+        greedy.view(size, width)[index] = torch.randint(3, 200, (len(index), width))
     decode.outputs = DecodeOutput(hidden, None, greedy)
-    drafts = runner.drafter.draft_after_verification(rows)
+    drafts = runner.drafter.draft_after_verification(rows, targets)
     return {s.request_id: column for s, column in zip(rows, drafts.T.tolist())}
 
 
-@pytest.mark.parametrize("source", ["flat", "padded", "verification"])
+@pytest.mark.parametrize("source", ["flat", "padded", "verification", "verification_targets"])
 def test_graph_drafting_matches_eager_for_every_accepted_count(kimi_mtp_ckpt, kernel_shaped_layers, source):
     """Rows that accepted 0 .. k drafts (and rows with fewer drafts, or none) get the eager drafter's drafts, and
     the MTP layer's cache ends the same: drafting from the static buffers with the step's hidden states back to
-    back or padded per row, and drafting from a greedy verification's outputs (its own acceptance)."""
+    back or padded per row, and drafting from a greedy verification's outputs (its own acceptance), some rows
+    with their targets passed in (rows verify_rows verified)."""
     k = 3
     llm = _mtp_llm(kimi_mtp_ckpt, k, graphs=True)
     runner = llm.engine.runner
@@ -147,41 +159,49 @@ def test_graph_drafting_matches_eager_for_every_accepted_count(kimi_mtp_ckpt, ke
         drafter.graphs = graphs if on_graphs else None
         ctx, argmax = _draft_context(runner, k, "flat" if source == "flat" else "padded", seed=2)
         with torch.inference_mode():
-            if on_graphs and source == "verification":
-                drafts = _draft_after_verification(runner, ctx, argmax)
+            if on_graphs and source.startswith("verification"):
+                drafts = _draft_after_verification(runner, ctx, argmax, source == "verification_targets")
             else:
                 drafts = drafter.propose(ctx)
         results.append((drafts, cache.clone()))
     (eager, eager_cache), (graph, graph_cache) = results
-    assert (graphs.launched, graphs.launched_after) == (([], [8]) if source == "verification" else ([8], []))
+    assert (graphs.launched, graphs.launched_after) == (([], [8]) if source.startswith("verification") else ([8], []))
     assert set(graph) == {f"r{i}" for i in range(len(ROWS))} and all(len(d) == k for d in graph.values())
     assert graph == eager
     assert not torch.equal(eager_cache, before)
     torch.testing.assert_close(graph_cache, eager_cache, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("k, sampled", [(1, False), (2, False), (3, False), (2, True)])
-def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shaped_layers, k, sampled):
+ODD_ROWS = {  # one row of the batch with these parameters: it verifies by verify_rows, not the plain argmax
+    "sampled": SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True),
+    "penalised_logprobs": SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=2, max_tokens=14,
+                                         ignore_eos=True),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("k, odd", [(1, None), (2, None), (3, None), (2, "sampled"), (3, "penalised_logprobs")])
+def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shaped_layers, k, odd):
     """Through the engine: steps after decode and verification steps draft on the graphs, right behind the
-    verification where every row is greedy, every other step eagerly; each step's drafts and every token equal
-    the engine's with eager drafting, and all is freed."""
+    verification (with a row that samples, or has a penalty and logprobs, among greedy ones too), every other
+    step eagerly; each step's drafts and every token and logprob equal the engine's with eager drafting, and all
+    is freed."""
     prompts = [[3, 4, 5], [5, 6, 7, 8, 9, 10] * 4, list(range(20, 45)), [7] * 8, [11]]
     params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True) for _ in prompts]
-    if sampled:  # one seeded sampled row: its verification is sampled on the host, so the drafting follows it
-        params[2] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=14, ignore_eos=True)
+    if odd is not None:
+        params[2] = ODD_ROWS[odd]
     runs = []
     for graphs in (False, True):
         llm = _mtp_llm(kimi_mtp_ckpt, k, graphs)
         proposals = _record_drafts(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs.append(([o.outputs[0].token_ids for o in outs], proposals))
+        runs.append(([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], proposals))
         assert llm.engine.all_resources_free()
     assert runs[1] == runs[0]
+    if odd == "penalised_logprobs":
+        assert len(runs[1][0][2][1]) == 14 and all(len(entry) >= 2 for entry in runs[1][0][2][1])
     graphs = llm.engine.runner.drafter.graphs
-    if sampled:  # (until the sampled row ends)
-        assert len(graphs.launched) >= 8 and len(graphs.launched) > len(graphs.launched_after)
-    else:  # from the static buffers after the first decode steps only
-        assert len(graphs.launched_after) >= 8 and len(graphs.launched) >= 1
+    # from the static buffers after the first decode steps only
+    assert len(graphs.launched_after) >= 8 and len(graphs.launched) >= 1
     assert len(graphs.launched_after) + len(graphs.launched) < len(proposals)  # steps with a prefill chunk: eager
 
 

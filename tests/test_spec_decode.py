@@ -11,8 +11,8 @@ from atom.config import EngineConfig, SpeculativeConfig
 from atom.engine.engine_core import EngineCore
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.worker.drafters import Drafter
-from atom.worker.sampler import SamplingBatch
-from atom.worker.spec_decode import target_probs, verify
+from atom.worker.sampler import SamplingBatch, apply_penalties
+from atom.worker.spec_decode import accept_greedy, target_probs, verify_rows
 from tests import checkpoints
 
 REPETITIVE = [5, 6, 7, 8, 9, 10] * 4
@@ -54,6 +54,59 @@ def test_kimi_greedy_unchanged_by_speculation(kimi_mtp_ckpt, kimi_reference, mak
     assert llm.engine.scheduler.num_draft_tokens > 0
 
 
+def _history_drafted(llm, k: int, runs: list[list[int]]):
+    """``llm`` drafting the known runs, with drafts made wrong by each row's own history (batch-independent)."""
+    from tests.test_cuda_graph_buffers import ContinuationDrafter
+
+    llm.engine.runner.drafter = ContinuationDrafter(k, runs, by_history=True)
+    return llm
+
+
+def test_rows_with_penalties_and_logprobs_match_plain_decoding(kimi_mtp_ckpt, make_llm):
+    """Greedy rows with logprobs and penalties verify by verify_rows, with the plain argmax rows beside them: the
+    tokens are plain decoding's, and so are the logprobs of each emitted token (from its verification position)."""
+    params = [GREEDY,
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1, frequency_penalty=0.6),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=0.9),
+              GREEDY]  # fmt: skip
+    want = make_llm(kimi_mtp_ckpt).generate(_inputs(), params)
+    runs = [p + t for p, t in zip(PROMPTS, _tokens(want))]
+    llm = _history_drafted(make_llm(kimi_mtp_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}),
+                           2, runs)  # fmt: skip
+    got = llm.generate(_inputs(), params)
+    assert _tokens(got) == _tokens(want)
+    assert llm.engine.scheduler.num_accepted_tokens > 20
+    for g, w in zip(got, want):
+        assert (g.outputs[0].logprobs is None) == (w.outputs[0].logprobs is None)
+        for g_entry, w_entry in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            assert g_entry.keys() == w_entry.keys()
+            for token, value in w_entry.items():
+                assert g_entry[token] == pytest.approx(value, abs=1e-4)
+
+
+def test_seeded_sampled_rows_with_drafts_ignore_the_batch(kimi_mtp_ckpt, make_llm):
+    """A seeded request that samples gets the same tokens through speculation whether it runs alone or beside
+    greedy, unseeded and other seeded requests: its verification draws only from its own generator."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    runs = [p + t for p, t in zip(PROMPTS, _tokens(make_llm(kimi_mtp_ckpt).generate(_inputs(), GREEDY)))]
+    # The small random model's top logits are ~0.005 apart: at these temperatures the sampled rows mostly follow
+    # the greedy run the drafter proposes, so their drafts are accepted as well as rejected.
+    seeded = [SamplingParams(temperature=0.001, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.002, top_k=20, seed=8, max_tokens=20, ignore_eos=True)]  # fmt: skip
+    prompts = _inputs()
+    alone = []
+    for i, p in zip((1, 3), seeded):
+        llm = _history_drafted(make_llm(kimi_mtp_ckpt, speculative_config=spec), 2, runs)
+        alone.append(_tokens(llm.generate([prompts[i]], [p]))[0])
+        assert llm.engine.scheduler.num_accepted_tokens > 0
+    mixed = [GREEDY, seeded[0], SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True), seeded[1], GREEDY]
+    llm = _history_drafted(make_llm(kimi_mtp_ckpt, speculative_config=spec), 2, runs)
+    together = _tokens(llm.generate(prompts, mixed))
+    assert [together[1], together[3]] == alone
+    assert llm.engine.scheduler.num_accepted_tokens > 0 and llm.engine.all_resources_free()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_llama_greedy_unchanged_by_ngram(llama_ckpt, make_llm, overlap):
     reference = _tokens(make_llm(llama_ckpt).generate(_inputs(), GREEDY))
@@ -66,8 +119,8 @@ def test_llama_greedy_unchanged_by_ngram(llama_ckpt, make_llm, overlap):
 
 def test_plain_greedy_rows_verify_through_one_lm_head(kimi_mtp_ckpt, make_llm):
     """A step's plain greedy rows with drafts are verified from one lm_head call over all their positions (one
-    argmax, one copy to the host); a row with a repetition penalty is verified on its own. The tokens are those
-    of plain decoding with the same parameters."""
+    argmax); the rows with a repetition penalty share a second (verify_rows). The tokens are those of plain
+    decoding with the same parameters."""
     penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
     params = [GREEDY] * (len(PROMPTS) - 1) + [penalised]
     want = _tokens(make_llm(kimi_mtp_ckpt).generate(_inputs(), params))
@@ -90,7 +143,7 @@ def test_plain_greedy_rows_verify_through_one_lm_head(kimi_mtp_ckpt, make_llm):
     runner.model.compute_logits, runner._verify = counted_logits, counted_verify
     assert _tokens(llm.generate(_inputs(), params)) == want
     assert any(greedy >= 2 for greedy, _, _ in calls)
-    assert all(lm_heads == (greedy > 0) + (drafted - greedy) for greedy, drafted, lm_heads in calls)
+    assert all(lm_heads == (greedy > 0) + (drafted > greedy) for greedy, drafted, lm_heads in calls)
     assert any(drafted > greedy > 0 for greedy, drafted, _ in calls)  # a step with both kinds of rows
 
 
@@ -243,32 +296,118 @@ def test_stops_inside_accepted_drafts(kimi_mtp_ckpt, plain_run, stop_kind):
     assert run(spec=True) == run(spec=False)
 
 
-# -- rejection sampling keeps the target distribution -----------------------------------
+# -- verify_rows: every row of a step at once --------------------------------------------
 
-def test_rejection_sampling_matches_target_distribution():
+def _rows_batch(logits_rows: int, params: list[SamplingParams], drafts: list[list[int]],
+                outputs: list[list[int]], device: str = "cpu") -> SamplingBatch:  # fmt: skip
+    """The per-logits-row batch the runner builds: row i's params, its outputs plus drafts[i][:j] at its j-th."""
+    per = [(p, out + d[:j]) for p, d, out in zip(params, drafts, outputs) for j in range(len(d) + 1)]
+    assert len(per) == logits_rows
+    return SamplingBatch.from_params([p for p, _ in per], [None] * len(per), [[1, 2]] * len(per),
+                                     [h for _, h in per], device=device)  # fmt: skip
+
+
+def _run_of_matches(drafts: list[int], targets: list[int]) -> int:
+    return next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
+
+
+def test_verify_rows_greedy_rows_take_the_penalised_argmax_run():
+    """Greedy rows (some penalised, one without drafts) accept the drafts that equal the argmax of their penalised
+    logits, then emit its token; their targets read back as the same run."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 12
+    plain = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.7)
+    params, drafts, outputs = [], [], []
+    for trial in range(40):
+        params.append(penalised if trial % 3 == 0 else plain)
+        drafts.append(torch.randint(0, vocab, (trial % 4,), generator=gen).tolist())
+        outputs.append(torch.randint(0, vocab, (3,), generator=gen).tolist())
+    logits = torch.randn(sum(1 + len(d) for d in drafts), vocab, generator=gen) * 2
+    for r, d in enumerate(drafts):  # make most drafts the plain argmax, so that runs are long
+        first = sum(1 + len(x) for x in drafts[:r])
+        for j, token in enumerate(d):
+            if (r + j) % 5:
+                logits[first + j, token] += 6
+    batch = _rows_batch(len(logits), params, drafts, outputs)
+    verdict = verify_rows(logits, batch, drafts, [True] * len(drafts), [None] * len(drafts))
+    argmax = apply_penalties(logits, batch).argmax(dim=-1).tolist()
+    lengths = [0] * len(drafts)
+    first = 0
+    for r, d in enumerate(drafts):
+        want = accept_greedy(d, argmax[first : first + len(d) + 1])
+        first += len(d) + 1
+        got = d[: verdict.accepted[r]] + [int(verdict.final[r])]
+        assert got == want, r
+        targets = verdict.targets[r].tolist()
+        assert _run_of_matches(d, targets) == verdict.accepted[r] and targets[int(verdict.accepted[r])] == got[-1]
+        lengths[r] = len(got) - 1
+    assert len(set(lengths)) == 4  # 0 .. 3 drafts accepted
+
+
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=5),
+                                    SamplingParams(temperature=1.3, top_p=0.85, top_k=5, min_p=0.05)])
+def test_rejection_sampling_matches_target_distribution(params, device):
+    """Many rows of the same logits and drafts in one call: the first token is distributed as p_0; given d1, the
+    second as p_1; given d1 d2, the bonus token as p_2. Each row's targets read back as its tokens."""
     from scipy.stats import chisquare
 
     torch.manual_seed(0)
-    vocab, k, trials = 6, 2, 12000
-    logits = torch.randn(k + 1, vocab) * 1.5
-    drafts = [2, 4]  # draft 2 has moderate probability at row 0
-    params = SamplingParams(temperature=0.8, top_p=1.0, seed=5)
-    batch = SamplingBatch.from_params([params] * (k + 1), [None] * (k + 1), [[0]] * (k + 1),
-                                      [[], [drafts[0]], drafts], device="cpu")
-    _, probs = target_probs(logits, batch)
-    gen = torch.Generator().manual_seed(123)
-    first = torch.zeros(vocab)
-    second_given_accept = torch.zeros(vocab)
-    for _ in range(trials):
-        out = verify(logits, batch, drafts, greedy=False, generator=gen)
-        first[out[0]] += 1
-        if out[0] == drafts[0]:
-            second_given_accept[out[1]] += 1
-    # the first token is distributed as p_0; given d1 was emitted, the next as p_1
-    assert chisquare(first, probs[0] * trials).pvalue > 1e-3
-    n = second_given_accept.sum()
-    assert n > 500
-    assert chisquare(second_given_accept, probs[1] * n).pvalue > 1e-3
+    vocab, k, n = 6, 2, 12000
+    logits = torch.tensor([[0.2, 0.6, 1.0, -0.5, 0.1, 0.4], [0.3, -0.2, 0.5, 0.0, 0.9, -1.0],
+                           [0.5, 0.1, -0.3, 0.8, 0.2, 0.0]]) * 1.5  # fmt: skip
+    drafts = [2, 4]
+    one = _rows_batch(k + 1, [params], [drafts], [[0]])
+    _, probs = target_probs(logits, one)
+    assert 0.2 < probs[0, 2] < 0.8 and 0.2 < probs[1, 4] < 0.8  # both outcomes common
+    batch = _rows_batch(n * (k + 1), [params] * n, [drafts] * n, [[0]] * n, device)
+    verdict = verify_rows(logits.repeat(n, 1).to(device), batch, [drafts] * n, [False] * n, [None] * n)
+    accepted, final = verdict.accepted.tolist(), verdict.final.tolist()
+    tokens = [drafts[:a] + [t] for a, t in zip(accepted, final)]
+    for got, a, targets in zip(tokens[:500], accepted, verdict.targets.tolist()):
+        assert _run_of_matches(drafts, targets) == a and targets[a] == got[-1]
+        assert a == k or got[-1] != drafts[a]  # the rejected draft is never the token emitted in its place
+    for depth in range(k + 1):
+        emitted = torch.zeros(vocab)
+        for got in tokens:
+            if got[:depth] == drafts[:depth]:
+                emitted[got[depth]] += 1
+        assert emitted.sum() > 500, depth
+        expected = probs[depth] * emitted.sum()
+        keep = expected > 0  # filtered-out tokens: never emitted
+        assert emitted[~keep].sum() == 0
+        assert chisquare(emitted[keep], expected[keep]).pvalue > 1e-3, depth
+
+
+def test_seeded_rows_verify_the_same_in_any_batch():
+    """A seeded row's accepted drafts and token depend only on its seed and logits, not on the rows beside it
+    (seeded or not, greedy or not, with more or fewer drafts)."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = 30
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=11)
+    row_logits = torch.randn(4, vocab, generator=gen)
+    row_drafts = torch.randint(0, vocab, (3,), generator=gen).tolist()
+
+    def run(before: int, after: int) -> list[tuple[int, int]]:
+        params, drafts = [], []
+        for i in range(before + 1 + after):
+            mine = i == before
+            params.append(seeded if mine else SamplingParams(temperature=(0.0, 0.7, 1.1)[i % 3],
+                                                             seed=100 + i if i % 2 else None))  # fmt: skip
+            drafts.append(row_drafts if mine else torch.randint(0, vocab, (i % 4,), generator=gen).tolist())
+        logits = torch.cat([row_logits if i == before else torch.randn(1 + len(d), vocab, generator=gen)
+                            for i, d in enumerate(drafts)])  # fmt: skip
+        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        verdict = verify_rows(logits, _rows_batch(len(logits), params, drafts, [[]] * len(params)), drafts,
+                              [p.greedy for p in params], generators)  # fmt: skip
+        return [(int(verdict.accepted[before]), int(verdict.final[before]))]
+
+    alone = run(0, 0)
+    assert all(run(before, after) == alone for before, after in [(3, 0), (0, 5), (4, 2), (7, 7)])
 
 
 def test_speculation_metrics_reach_outputs(llama_ckpt, make_llm):

@@ -8,6 +8,7 @@ It never decides policy and never touches scheduler objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 
@@ -22,7 +23,7 @@ from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_d
 from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, TokenHistories, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
-from atom.worker.spec_decode import accept_greedy, emitted_logprobs, verify
+from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, verify_rows
 
 
 def defers_tokens(config: EngineConfig, has_drafter: bool) -> bool:
@@ -326,55 +327,91 @@ class ModelRunner:
     def _verify(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput,
                 graph: DecodeOutput | None = None, together: frozenset[int] = frozenset()) -> None:  # fmt: skip
         """Rows with drafts: logits at their 1 + k positions (from ``graph`` where the step ran on the graphs),
-        then accept/reject (spec_decode). The rows ``together`` (``_greedy_together``) share one lm_head, one
-        argmax and one copy to the host; the other rows with drafts go one by one."""
+        then accept/reject. The rows ``together`` (``_greedy_together``) take the argmax of one lm_head over
+        their positions; the other rows with drafts (sampling, penalties, logprobs) share a second lm_head and
+        ``spec_decode.verify_rows``. Everything the host needs comes back in one copy, with the next drafts
+        where the drafter drafts right behind the verification (``_draft_behind``)."""
         greedy = [(i, rows[i], self.requests[rows[i].request_id]) for i in sorted(together)]
         others = [(i, s, self.requests[s.request_id]) for i, s in enumerate(rows)
                   if s.draft_token_ids and i not in together]  # fmt: skip
+        if not greedy and not others:
+            return
+        parts = []  # int64 device tensors, copied to the host together
         if greedy:
             # each row's last 1 + k tokens: [t, d1 .. dk] (a row without drafts: its last token)
-            positions = as_index([p for i, s, _ in greedy
-                                  for p in range(starts[i] + len(s.token_ids) - len(s.draft_token_ids) - 1,
-                                                 starts[i] + len(s.token_ids))], self.device)  # fmt: skip
-            argmax = graph.greedy[positions] if graph is not None else \
-                self.model.compute_logits(hidden[positions]).argmax(dim=-1)  # fmt: skip
-            targets = self._targets_and_drafts(rows, argmax, graph is not None and len(greedy) == len(rows), out)
-            at = 0
-            for _, s, st in greedy:
-                k = len(s.draft_token_ids)
-                tokens = accept_greedy(s.draft_token_ids, targets[at : at + k + 1])
-                at += k + 1
-                st.output_token_ids.extend(tokens)
-                out.sampled[s.request_id] = tokens
-        for i, s, st in others:
+            positions = as_index(self._verified_positions(greedy, starts), self.device)
+            parts.append(graph.greedy[positions] if graph is not None else
+                         self.model.compute_logits(hidden[positions]).argmax(dim=-1))  # fmt: skip
+        if others:
+            verdict, logits = self._verify_others(others, starts, hidden, graph)
+            parts += [verdict.accepted, verdict.final]
+        drafts = self._draft_behind(rows, graph, others, verdict.targets if others else None) \
+            if len(greedy) + len(others) == len(rows) else None  # fmt: skip
+        if drafts is not None:
+            parts.append(drafts.flatten())
+        host = self._to_host(torch.cat(parts))
+        at = 0
+        for _, s, st in greedy:
             k = len(s.draft_token_ids)
-            span = slice(starts[i], starts[i] + k + 1)
-            logits = graph.logits[span] if graph is not None else self.model.compute_logits(hidden[span])
-            # row j is sampled as if d1..dj were already outputs (penalties see them)
-            histories = [st.output_token_ids + s.draft_token_ids[:j] for j in range(k + 1)]
-            batch = SamplingBatch.from_params(
-                [st.sampling_params] * (k + 1), [None] * (k + 1), [st.prompt_token_ids] * (k + 1), histories,
-                device=self.device,
-            )
-            tokens = verify(logits, batch, s.draft_token_ids, st.sampling_params.greedy, st.generator)
+            tokens = accept_greedy(s.draft_token_ids, host[at : at + k + 1])
+            at += k + 1
             st.output_token_ids.extend(tokens)
             out.sampled[s.request_id] = tokens
-            if st.sampling_params.logprobs is not None:
-                out.logprobs[s.request_id] = emitted_logprobs(logits, tokens, st.sampling_params.logprobs)
+        if others:
+            n = len(others)
+            accepted, final = host[at : at + n], host[at + n : at + 2 * n]
+            at += 2 * n
+            for (_, s, st), a, token in zip(others, accepted, final):
+                out.sampled[s.request_id] = tokens = s.draft_token_ids[:a] + [token]
+                st.output_token_ids.extend(tokens)
+            self._emitted_logprobs(others, logits, out)
+        if drafts is not None:  # depth-major: row i's at i::n
+            flat, n = host[at:], len(rows)
+            out.draft_token_ids = {s.request_id: flat[i::n] for i, s in enumerate(rows)}
 
-    def _targets_and_drafts(self, rows, argmax: torch.Tensor, all_greedy_on_graphs: bool,
-                            out: RunnerOutput) -> list[int]:  # fmt: skip
-        """The greedy verification's argmax on the host. When every row verifies greedily on a verification graph
-        and the drafter can draft right behind it (``Drafter.draft_after_verification``), its drafts come back in
-        the same copy, into ``out.draft_token_ids``."""
-        drafter = self.drafter if all_greedy_on_graphs else None
-        drafts = drafter.draft_after_verification(rows) if drafter is not None else None
-        if drafts is None:
-            return self._to_host(argmax)
-        host, n = self._to_host(torch.cat([argmax, drafts.flatten()])), len(rows)
-        targets, flat = host[: argmax.numel()], host[argmax.numel() :]  # drafts depth-major: row i's at i::n
-        out.draft_token_ids = {s.request_id: flat[i::n] for i, s in enumerate(rows)}
-        return targets
+    @staticmethod
+    def _verified_positions(group, starts: list[int]) -> list[int]:
+        """Each row's last 1 + k positions in the step's flat batch: ``[t, d1 .. dk]``."""
+        return [p for i, s, _ in group for p in range(starts[i] + len(s.token_ids) - len(s.draft_token_ids) - 1,
+                                                      starts[i] + len(s.token_ids))]  # fmt: skip
+
+    def _verify_others(self, others, starts: list[int], hidden: torch.Tensor,
+                       graph: DecodeOutput | None) -> tuple[Verdict, torch.Tensor]:  # fmt: skip
+        """``verify_rows`` over the rows that do not verify by the plain argmax; also their raw logits."""
+        positions = as_index(self._verified_positions(others, starts), self.device)
+        logits = graph.logits[positions] if graph is not None else self.model.compute_logits(hidden[positions])
+        params, prompts, histories = [], [], []
+        for _, s, st in others:  # position j is sampled as if d1..dj were already outputs (penalties see them)
+            k = len(s.draft_token_ids)
+            params += [st.sampling_params] * (k + 1)
+            prompts += [st.prompt_token_ids] * (k + 1)
+            histories += [st.output_token_ids + s.draft_token_ids[:j] for j in range(k + 1)] \
+                if st.sampling_params.has_penalties else [st.output_token_ids] * (k + 1)  # fmt: skip
+        batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
+        verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
+                              [st.sampling_params.greedy for _, _, st in others], [st.generator for _, _, st in others])
+        return verdict, logits
+
+    def _emitted_logprobs(self, others, logits: torch.Tensor, out: RunnerOutput) -> None:
+        """The raw logprobs of the tokens the rows that asked for them emitted this step."""
+        firsts = list(accumulate((len(s.draft_token_ids) + 1 for _, s, _ in others), initial=0))
+        asked = [(first, s.request_id, st.sampling_params.logprobs)
+                 for first, (_, s, st) in zip(firsts, others) if st.sampling_params.logprobs is not None]  # fmt: skip
+        if not asked:
+            return
+        tokens = [out.sampled[request_id] for _, request_id, _ in asked]
+        entries = emitted_logprobs(logits, [first for first, _, _ in asked], tokens, [num for _, _, num in asked])
+        for (_, request_id, _), logprobs in zip(asked, entries):
+            out.logprobs[request_id] = logprobs
+
+    def _draft_behind(self, rows, graph: DecodeOutput | None, others, targets: torch.Tensor | None):
+        """The next drafts [k, n] on the device, drafted right behind a verification graph whose rows all verify
+        on the device (``Drafter.draft_after_verification``); None where the drafter does not. The rows
+        ``others`` pass their targets (``Verdict.targets``), as their tokens are not the argmax's."""
+        if graph is None or self.drafter is None:
+            return None
+        index = as_index([i for i, _, _ in others], self.device) if others else None
+        return self.drafter.draft_after_verification(rows, None if index is None else (index, targets))
 
     def _propose(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput) -> None:
         ctx = DraftContext(

@@ -49,10 +49,12 @@ class Drafter:
         """Capture CUDA graphs of its drafting beside the runner's ``decode_graphs`` (None where it has none).
         By default there is nothing to capture."""
 
-    def draft_after_verification(self, rows: list) -> torch.Tensor | None:
-        """Right behind a verification step on the graphs whose rows all verify greedily: the rows' drafts
-        [k, n] on the device, drafted before the host has seen the step's tokens. None (the default): the
-        runner calls ``propose`` once it has."""
+    def draft_after_verification(self, rows: list, targets: tuple | None = None) -> torch.Tensor | None:
+        """Right behind a verification step on the graphs whose rows all verify on the device: the rows' drafts
+        [k, n] on the device, drafted before the host has seen the step's tokens. Each row's accepted drafts
+        and next token are read from the verification graph's argmax, but for the rows in ``targets``:
+        (their indices, their ``spec_decode.Verdict.targets``), the rows that sample (or have penalties or
+        logprobs). None (the default): the runner calls ``propose`` once the host has the step's tokens."""
         return None
 
 

@@ -52,8 +52,8 @@ class MTPDrafter(Drafter):
 
         self.graphs = capture_mtp_graphs(self.model, decode_graphs, self.k)
 
-    def draft_after_verification(self, rows) -> torch.Tensor | None:
-        return None if self.graphs is None else self.graphs.draft_after_verification(rows)
+    def draft_after_verification(self, rows, targets=None) -> torch.Tensor | None:
+        return None if self.graphs is None else self.graphs.draft_after_verification(rows, targets)
 
     def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
         fills = [self._fill_row(ctx, i, s) for i, s in enumerate(ctx.rows)]

@@ -25,10 +25,11 @@ overwrites), so the two paths give the same drafts. Steps with other rows (a
 prefill chunk, more rows than the largest verification graph) draft eagerly.
 
 Between a verification step and that drafting the GPU idles while the host
-accepts the drafts and fills the buffers. Where every row of a verification
-step verifies greedily (no sampling, penalties or logprobs), the acceptance
-is the argmax's, so a second graph per size and bound drafts straight from the
-verification graph's outputs, replayed right behind it: its accepted counts
+accepts the drafts and fills the buffers. The verification itself runs on the
+device (greedy rows by the graph's argmax, the others by
+``spec_decode.verify_rows``), so a second graph per size and bound drafts
+straight from the verification graph's outputs, replayed right behind it when
+every row of the step has drafts or verifies greedily. Its accepted counts
 come from comparing the drafts in the input ids with the argmax (the longest
 run of matches, within each row's own drafts), and since an accepted draft
 equals the argmax at its position, the fill's tokens (each position's next
@@ -39,8 +40,12 @@ token) are the argmax at those positions::
     its fill:            ids     a0  a1  a2  -       positions, slots, hidden states: the verification's;
                                                      the columns past 1 + accepted write nowhere (slot -1)
 
-The runner copies the argmax and the drafts to the host together (one copy),
-and the host's acceptance of the same argmax gives the same counts.
+A row that samples (or has penalties or logprobs) first has its targets
+written over its argmax: its accepted drafts, then the token it emits in
+every later column (``Verdict.targets``). They read as an argmax would: the
+run of matches stops at the emitted token, which differs from the rejected
+draft. The runner copies the step's tokens and the drafts to the host
+together (one copy), and the host's acceptance gives the same counts.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ class MTPGraphs:
         for bound in reversed(self.decode.bounds):
             for size in reversed(self.sizes):
                 for after in (False, True):
-                    source = self.decode.graphs[size, bound, self.width][1] if after else None
+                    source = self._verification(size, bound) if after else None
                     self.graphs[size, bound, after] = capture_graph(lambda: self._forward(size, bound, source),
                                                                     self.decode.pool)  # fmt: skip
         torch.cuda.synchronize(self.decode.device)
@@ -118,15 +123,23 @@ class MTPGraphs:
         dst = [r * w + j for r, c in enumerate(counts) for j in range(c)]
         self.hidden[as_index(dst, hidden.device)] = hidden[as_index(src, hidden.device)]
 
-    def draft_after_verification(self, rows) -> torch.Tensor | None:
-        """Right behind a verification step on the graphs whose rows all verify greedily: their drafts [k, n] on
-        the device (not yet copied). None where the chained drafts could pass that graph's bound."""
+    def draft_after_verification(self, rows, targets=None) -> torch.Tensor | None:
+        """Right behind a verification step on the graphs: the rows' drafts [k, n] on the device (not yet copied).
+        ``targets`` (row indices, their targets [m, <= w]): written over those rows' argmax first. None where
+        the chained drafts could pass that graph's bound."""
         size = next(s for s in self.sizes if s >= len(rows))  # the verification graph's (the same sizes)
         longest = max(s.context_len + len(s.token_ids) for s in rows)
         bound = self.decode.bound(longest)
         if longest + self.k - 1 > bound:
             return None
+        if targets is not None:
+            index, values = targets
+            self._verification(size, bound).greedy.view(size, self.width)[index, : values.shape[1]] = values
         return self._launch(size, bound, after=True)[:, : len(rows)]
+
+    def _verification(self, size: int, bound: int) -> DecodeOutput:
+        """The outputs (static buffers) of the verification graph of this size and bound."""
+        return self.decode.graphs[size, bound, self.width][1]
 
     def _forward(self, size: int, bound: int, verification: DecodeOutput | None = None) -> torch.Tensor:
         """The captured drafting of ``size`` rows: drafts [k, size]. From the static buffers (``self.hidden``,
