@@ -104,7 +104,7 @@ def _engine_flags() -> argparse.ArgumentParser:
                         "(methods: ngram, mtp)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap: plan and queue the next step while the current one runs (default: on for "
-                        "CUDA devices, off on the CPU)")
+                        "CUDA devices, off on the CPU and with speculative decoding)")
     g.add_argument("--num-scheduler-steps", type=int, metavar="K",
                    help="multi-step decoding: when every running request is decoding, run up to K decode "
                         "steps per scheduling round, so scheduling and output handling are paid once per K "

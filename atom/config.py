@@ -95,7 +95,9 @@ class EngineConfig:
     tokenizer: str | None = None
     speculative_config: SpeculativeConfig | None = None
     # overlap: plan step N+1 while step N runs. None: on for CUDA devices, where a step's host work (scheduling,
-    # inputs, outputs) would otherwise leave the GPU idle; off on the CPU, where both threads share the cores
+    # inputs, outputs) would otherwise leave the GPU idle; off on the CPU, where both threads share the cores, and
+    # with speculation, where a row's next step waits for its accepted count: nothing overlaps, and the plans made
+    # while a step runs come back empty, an extra round trip a step (GPU_NOTES.md, session 43)
     async_scheduling: bool | None = None
     kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps (CPU always runs eagerly)
@@ -140,7 +142,7 @@ class EngineConfig:
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
         device = self._validated_device()
         if self.async_scheduling is None:
-            object.__setattr__(self, "async_scheduling", device.type == "cuda")
+            object.__setattr__(self, "async_scheduling", device.type == "cuda" and self.speculative_config is None)
         self._validate_scheduler_steps()
 
     def _validated_device(self) -> torch.device:

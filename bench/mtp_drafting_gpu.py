@@ -13,6 +13,8 @@ Its requests are greedy, or sample with ``--temperature`` (and ``--top-p``;
 
 - "behind": on its graphs, the drafting graph replayed right behind the
   verification graph and drafting from its outputs (the default);
+- "overlap": as "behind", with async scheduling forced on (off by default
+  with speculation: the plans made while a step runs come back empty);
 - "after": on its graphs, after the host has accepted the drafts
   (``draft_after_verification`` off);
 - "eager": without its graphs (``drafter.graphs`` None).
@@ -92,12 +94,12 @@ def main() -> None:
     mtp_ckpt = add_mtp_layer(args.ckpt, args.ckpt + "_mtp")
     k, n_new = args.num_drafts, args.output_len
     gen = torch.Generator().manual_seed(0)
-    modes = ("behind", "after", "eager")
+    modes = ("behind", "overlap", "after", "eager")
     sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
     print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens; "
           f"{sampling if args.temperature else 'greedy'}")
     print(f"{'batch':>5} | {'plain':>7} " + " ".join(f"{m:>7}" for m in modes) + " tok/s | "
-          + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/after behind/eager behind/plain | tokens/verif")
+          + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/overlap behind/after behind/eager behind/plain | tokens/verif")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
         inputs = [{"prompt_token_ids": q} for q in torch.randint(3, 32000, (batch, args.input_len),
                                                                  generator=gen).tolist()]  # fmt: skip
@@ -117,7 +119,8 @@ def main() -> None:
         def timed_execute(sched):
             t = time.perf_counter()
             out = execute(sched)
-            steps.append(time.perf_counter() - t)
+            if sched.scheduled:  # (not the empty plans made while a step runs, with overlap)
+                steps.append(time.perf_counter() - t)
             return out
 
         runner.execute_model = timed_execute
@@ -133,7 +136,8 @@ def main() -> None:
 
         base = tps(plain)
         rate, step_ms, emitted = {}, {}, 0.0
-        for mode in modes[i % 3 :] + modes[: i % 3]:
+        for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            object.__setattr__(spec.config, "async_scheduling", mode == "overlap")  # (the engine reads it per call)
             drafter.graphs = None if mode == "eager" else graphs
             drafter.__dict__.pop("draft_after_verification", None)  # the class's method again
             if mode == "after":
@@ -145,7 +149,8 @@ def main() -> None:
             emitted = (sched.num_accepted_tokens - accepted0) / max((sched.num_draft_tokens - drafts0) / k, 1) + 1
         r = rate["behind"]
         print(f"{batch:>5} | {base:>7.0f} " + " ".join(f"{rate[m]:>7.0f}" for m in modes) + "       | "
-              + " ".join(f"{step_ms[m]:>7.3f}" for m in modes) + f"         | {r / rate['after']:>12.2f} "
+              + " ".join(f"{step_ms[m]:>7.3f}" for m in modes) + f"         | {r / rate['overlap']:>14.2f} "
+              f"{r / rate['after']:>12.2f} "
               f"{r / rate['eager']:>12.2f} {r / base:>12.2f} | {emitted:>12.2f}", flush=True)  # fmt: skip
         plain = spec = runner = drafter = graphs = None
         torch.cuda.empty_cache()

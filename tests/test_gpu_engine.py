@@ -178,6 +178,7 @@ def test_gpu_sampled_rows_draft_behind_the_verification_like_eagerly(tmp_path, m
     for on_graphs in (True, False):
         llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
+        assert not llm.config.async_scheduling  # by default off with speculation (nothing could overlap)
         runner, proposals = llm.engine.runner, []
         if not on_graphs:
             runner.drafter.graphs = None
