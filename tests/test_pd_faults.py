@@ -19,6 +19,7 @@ import urllib.request
 import pytest
 
 from atom import LLM, SamplingParams
+from tests import checkpoints
 from tests.pd_cluster import ServeProcess, kv_config, metrics, stop_all, wait_all_free
 
 pytest.importorskip("mooncake.engine", reason="needs the Mooncake transfer engine (pip install '.[mooncake]')")
@@ -138,6 +139,26 @@ def test_bad_handoff_params_are_rejected(servers):
         status, body = _post(servers["consumer"], _decode_body(bad))
         assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
     wait_all_free(servers["consumer"])
+
+
+def test_handoff_token_ids_outside_the_vocabulary_are_rejected_and_the_consumer_serves_on(servers, colocated_tokens):
+    """A first token or draft past the vocabulary is the client's mistake: 400, before it reaches a forward (where
+    it once failed the step, and so every request of the consumer). Drafts from a producer that speculates are
+    not verified by a consumer that does not (its state slots hold no per-draft states): its tokens are plain
+    decoding's."""
+    consumer = servers["consumer"]
+    for bad in ({"first_token": checkpoints.VOCAB}, {"draft_token_ids": [3, checkpoints.VOCAB + 7]}):
+        params = {**_prefill(servers["producer"]), **bad}
+        status, body = _post(consumer, _decode_body(params))
+        assert status == 400 and body["error"]["param"] == "kv_transfer_params", body
+        assert f"[0, {checkpoints.VOCAB})" in body["error"]["message"]
+        wait_all_free(servers["producer"], timeout=LEASE + 10)  # the hold nobody pulled ends with its lease
+    params = dict(_prefill(servers["producer"]), draft_token_ids=colocated_tokens[1:3])  # both right
+    status, body = _post(consumer, _decode_body(params))
+    assert status == 200 and body["choices"][0]["token_ids"] == colocated_tokens, body
+    assert metrics(consumer).get("atom_spec_decode_draft_tokens_total", 0) == 0  # none verified
+    wait_all_free(consumer)
+    wait_all_free(servers["producer"])
 
 
 @pytest.mark.parametrize("max_tokens", [4, None])

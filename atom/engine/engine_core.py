@@ -125,6 +125,11 @@ class EngineCore:
                 raise ValueError("kv_transfer_params given, but this engine has no --kv-transfer-config")
             request.kv_transfer_params = dict(kv_transfer_params)
             self.scheduler.connector.num_remote_tokens(request)  # validates a consumer's params
+            handed = [kv_transfer_params.get("first_token", 0), *(kv_transfer_params.get("draft_token_ids") or [])]
+            if vocab is not None and any(t >= vocab for t in handed):  # (their types: checked just above)
+                raise ValueError(f"kv_transfer_params name a token id outside [0, {vocab}); pass the "
+                                 "kv_transfer_params the prefill engine returned, unchanged, to a decode engine of "
+                                 "the same model")
         return request
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

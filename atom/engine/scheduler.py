@@ -126,8 +126,9 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._append_tokens(request, [int(params["first_token"])], None)
-        if request.status == RequestStatus.RUNNING:
-            request.spec_token_ids = [int(t) for t in params.get("draft_token_ids") or []]
+        if request.status == RequestStatus.RUNNING:  # its drafts, as many as this engine verifies (maybe none)
+            drafts = params.get("draft_token_ids") or []
+            request.spec_token_ids = [int(t) for t in drafts[: self.config.num_speculative_tokens]]
 
     def _remote_load_failed(self, request: Request, error: str) -> None:
         if self.config.kv_transfer_config.kv_load_failure_policy == "recompute":  # compute it here instead
