@@ -99,7 +99,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens; "
           f"{sampling if args.temperature else 'greedy'}")
     print(f"{'batch':>5} | {'plain':>7} " + " ".join(f"{m:>7}" for m in modes) + " tok/s | "
-          + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/overlap behind/after behind/eager behind/plain | tokens/verif")
+          + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/overlap behind/after behind/eager behind/plain"
+          " | tokens/verif")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
         inputs = [{"prompt_token_ids": q} for q in torch.randint(3, 32000, (batch, args.input_len),
                                                                  generator=gen).tolist()]  # fmt: skip
