@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A request samples greedily below this temperature: all such a distribution keeps of the logits is their argmax
+# (vLLM's threshold too). Far below it, logits / temperature overflow in fp32 and the probabilities become NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -77,7 +81,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def filters_top_k_top_p(self) -> bool:

@@ -77,7 +77,8 @@ def test_params_normalisation_and_greedy():
     assert SamplingParams(top_k=-1).top_k == -1
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(top_k=1).greedy
-    assert not SamplingParams().greedy
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams().greedy and not SamplingParams(temperature=1e-5).greedy
 
 
 # ---------------------------------------------------------------- filtering
@@ -98,6 +99,20 @@ def test_top_k_one_equals_greedy_in_mixed_batch():
     assert not batch.all_greedy
     out = Sampler()(logits, batch)
     for row in (0, 2, 3):
+        assert out.sampled_token_ids[row] == logits[row].argmax()
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-45])
+def test_tiny_temperatures_sample_greedily_in_a_mixed_batch(temperature):
+    """Below 1e-5 a row samples greedily. At 1e-40, logits / temperature overflowed to inf and the row's token
+    came out of NaN probabilities: token 0, every time."""
+    logits = torch.randn(3, 50, generator=seeded(2)) * 4
+    params = [SamplingParams(temperature=temperature, seed=1), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=temperature, min_p=0.1)]
+    batch = make_batch(params, [seeded(1), None, None])
+    assert not batch.all_greedy
+    out = Sampler()(logits, batch)
+    for row in (0, 2):
         assert out.sampled_token_ids[row] == logits[row].argmax()
 
 

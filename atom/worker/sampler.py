@@ -62,8 +62,9 @@ class SamplingBatch:
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         # Every column in one upload (each upload costs ~25 us of host time on a GPU). top_k travels as a
-        # float: exact below 2**24, and anything above the vocabulary filters nothing either way.
-        columns = upload([[p.temperature for p in params], [p.top_p for p in params],
+        # float: exact below 2**24, and anything above the vocabulary filters nothing either way. A greedy row's
+        # temperature goes up as 0, which the samplers read as greedy (SamplingParams.greedy).
+        columns = upload([[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
                           [min(max(p.top_k, 0), _TOP_K_EXACT) for p in params], [p.min_p for p in params],
                           [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
                           [p.repetition_penalty for p in params]], torch.float32, device)  # fmt: skip
