@@ -102,14 +102,17 @@ def test_top_k_one_equals_greedy_in_mixed_batch():
         assert out.sampled_token_ids[row] == logits[row].argmax()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
 @pytest.mark.parametrize("temperature", [1e-6, 1e-40, 1e-45])
-def test_tiny_temperatures_sample_greedily_in_a_mixed_batch(temperature):
+def test_tiny_temperatures_sample_greedily_in_a_mixed_batch(temperature, device):
     """Below 1e-5 a row samples greedily. At 1e-40, logits / temperature overflowed to inf and the row's token
-    came out of NaN probabilities: token 0, every time."""
-    logits = torch.randn(3, 50, generator=seeded(2)) * 4
+    came out of NaN probabilities: token 0, every time. (On a GPU: the fused sampling kernel.)"""
+    logits = (torch.randn(3, 50, generator=seeded(2)) * 4).to(device)
     params = [SamplingParams(temperature=temperature, seed=1), SamplingParams(temperature=0.7, top_p=0.9),
               SamplingParams(temperature=temperature, min_p=0.1)]
-    batch = make_batch(params, [seeded(1), None, None])
+    batch = SamplingBatch.from_params(params, [torch.Generator(device).manual_seed(1), None, None], [[]] * 3,
+                                      [[]] * 3, device=device)  # fmt: skip
     assert not batch.all_greedy
     out = Sampler()(logits, batch)
     for row in (0, 2):
