@@ -13,7 +13,8 @@ sharing the request's block table). Each step:
 
 On a GPU with decode graphs, a step whose rows all decoded or verified runs
 both parts as one CUDA graph (mtp_graphs.py), replayed right behind the
-verification's where every row verifies greedily; other steps run them eagerly.
+verification's where every row verifies on the device (greedy rows by the
+argmax, the others by spec_decode.verify_rows); other steps run them eagerly.
 """
 
 from __future__ import annotations
