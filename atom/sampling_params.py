@@ -11,6 +11,10 @@ from dataclasses import dataclass
 # A request samples greedily below this temperature: all such a distribution keeps of the logits is their argmax
 # (vLLM's threshold too). Far below it, logits / temperature overflow in fp32 and the probabilities become NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Parameters reach the sampler as float32: a temperature past its range becomes inf (and inf / inf = NaN), and a
+# repetition penalty far from 1 turns logits into inf or 0 (1e-300 becomes 0, and logits / 0 = inf).
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest finite value
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass
@@ -49,8 +53,8 @@ class SamplingParams:
     def _validate_sampling(self) -> None:
         if self.n != 1:
             raise ValueError(f"n={self.n} is not supported; ATOM returns one sequence per request, use n=1")
-        if not self.temperature >= 0:  # NaN too
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN and inf too
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1 to disable")
         if self.top_k < -1:
@@ -61,8 +65,10 @@ class SamplingParams:
             raise ValueError(f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
-        if not self.repetition_penalty > 0:  # NaN too
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0; use 1 to disable")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # NaN too
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in [{low:g}, {high:g}]; "
+                             "use 1 to disable")
         if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
             # the request's generator takes a 64-bit seed: a larger one failed only inside the engine's step
             raise ValueError(f"seed={self.seed} must be an integer in [-2**63, 2**63 - 1], or None for no seed")

@@ -396,13 +396,14 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "sample_tokens",
       [](uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride, uintptr_t temperature,
-         uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out, int64_t rows, int64_t vocab,
-         uintptr_t stream) {
+         uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out, uintptr_t drafts, uintptr_t draft_probs,
+         int64_t rows, int64_t vocab, uintptr_t stream) {
         check(atom::sample_tokens(logits, logits_stride, draws, draws_stride, temperature, top_p, top_k, min_p, out,
-                                  rows, vocab, stream));
+                                  drafts, draft_probs, rows, vocab, stream));
       },
-      "one token per fp32 logits row: temperature, top-k, top-p, min-p and the exponential race over given draws",
+      "one token per fp32 logits row: temperature, top-k, top-p, min-p and the exponential race over given draws; "
+      "with drafts (0: none), each row's draft's probability, and the race without it",
       py::arg("logits"), py::arg("logits_stride"), py::arg("draws"), py::arg("draws_stride"), py::arg("temperature"),
-      py::arg("top_p"), py::arg("top_k"), py::arg("min_p"), py::arg("out"), py::arg("rows"), py::arg("vocab"),
-      py::arg("stream"));
+      py::arg("top_p"), py::arg("top_k"), py::arg("min_p"), py::arg("out"), py::arg("drafts"), py::arg("draft_probs"),
+      py::arg("rows"), py::arg("vocab"), py::arg("stream"));
 }

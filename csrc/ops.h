@@ -342,10 +342,12 @@ const char* moe_gemv_down(uintptr_t act, uintptr_t ids, uintptr_t weights, int64
 // contiguous); draws are Exp(1) variates, one per token. temperature, top_p,
 // min_p fp32 [rows] and top_k int64 [rows], as in SamplingBatch (top_k 0 or
 // -1 off, top_p 1 off, min_p 0 off; temperature 0 or top_k 1: argmax of the
-// logits). Writes out int64 [rows].
+// logits). Writes out int64 [rows]. drafts int64 [rows] (-1: none) and
+// draft_probs fp32 [rows], both or neither (0): each row's draft is left out
+// of the race, and its probability written to draft_probs.
 const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride,
                           uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
-                          int64_t rows, int64_t vocab, uintptr_t stream);
+                          uintptr_t drafts, uintptr_t draft_probs, int64_t rows, int64_t vocab, uintptr_t stream);
 
 // ---- launch.cu: programmatic dependent launch of the kernels (portability.h's launch_kernel), on by
 // default on sm_90+ unless ATOM_PDL=0. Turning it on elsewhere leaves it off. Kernels already captured in a

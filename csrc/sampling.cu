@@ -15,6 +15,11 @@
 //   - min-p drops tokens with w < min_p (min_p times the top token's weight);
 //   - the race: argmax over kept tokens of w / max(draw, 1e-10), draw ~ Exp(1)
 //     from the caller, ties to the lower index.
+// With a draft token per row (the verification of speculative drafts), the row
+// also gives that token's probability, w(draft) over the kept tokens' sum of w
+// (a greedy row: 1 if the draft is its argmax, else 0), and the race leaves the
+// draft out: a token from the residual distribution, drawn where the draft was
+// rejected. Where the draft was the only token kept, the row's token is the draft.
 // The reference's probabilities are normalised and summed in floats, so the
 // two can differ only where a boundary sits within rounding of a threshold.
 #include "kernel_common.h"
@@ -41,6 +46,8 @@ struct SampleParams {
   const int64_t* top_k;
   const float* min_p;
   int64_t* out;
+  const int64_t* drafts;  // null, or per row the draft token (-1: none)
+  float* draft_probs;  // with drafts: per row, the draft's probability
   int vocab;
   int index_bits;  // 2^index_bits >= vocab
 };
@@ -118,6 +125,16 @@ __device__ void block_argmax(Shared& sh, float& v, int& i) {
     if (beats(sh.reduce_value[g], sh.reduce_index[g], v, i)) v = sh.reduce_value[g], i = sh.reduce_index[g];
   }
   __syncthreads();  // the scratch is reused
+}
+
+__device__ float block_sum(Shared& sh, float v) {
+  v = group_sum(v);
+  if (threadIdx.x % kGroup == 0) sh.reduce_value[threadIdx.x / kGroup] = v;
+  __syncthreads();
+  v = 0.f;
+  for (int g = 0; g < kGroups; ++g) v += sh.reduce_value[g];
+  __syncthreads();  // the scratch is reused
+  return v;
 }
 
 __device__ float block_min(Shared& sh, float v) {
@@ -280,6 +297,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   const float* x = p.logits + row * p.logits_stride;
   const float temperature = p.temperature[row];
   const int64_t top_k = p.top_k[row];
+  const int64_t draft = p.drafts ? p.drafts[row] : -1;
 
   if (temperature == 0.f || top_k == 1) {
     float best = -INFINITY;
@@ -288,7 +306,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
       if (beats(xi, i, best, best_i)) best = xi, best_i = i;
     });
     block_argmax(sh, best, best_i);
-    if (threadIdx.x == 0) p.out[row] = best_i;
+    if (threadIdx.x == 0) {
+      p.out[row] = best_i;
+      if (p.drafts) p.draft_probs[row] = draft == best_i ? 1.f : 0.f;
+    }
     return;
   }
 
@@ -307,33 +328,48 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   }
   const float top_p = p.top_p[row];
   if (top_p < 1.f) {
-    floor_key = select_key<true>(sh, x, p, temperature, top, fminf(top - bottom, kMassSpan), floor_key, 0, top_p);
+    // A fraction of 0 would mean "by count" to find_digit: a top_p that float32 holds as 0 keeps the top token.
+    const double fraction = top_p > 0.f ? top_p : 1e-300;
+    floor_key = select_key<true>(sh, x, p, temperature, top, fminf(top - bottom, kMassSpan), floor_key, 0, fraction);
   }
 
   const float min_p = p.min_p[row];
   const float* draws = p.draws + row * p.draws_stride;
-  float best = -INFINITY;
+  float best = -INFINITY, kept = 0.f, draft_weight = 0.f;
   int best_i = INT32_MAX;
   for_each_token(x, p.vocab, [&](int i, float xi) {
     const float s = xi / temperature;
     if (sort_key(s, i, p.index_bits) < floor_key) return;
     const float w = expf(s - top);
-    if (w < min_p) return;
+    if (w < min_p || w == 0.f) return;  // (no weight: never drawn, also where the draft is left out)
+    kept += w;
+    if (i == draft) {
+      draft_weight = w;
+      return;
+    }
     const float race = w / fmaxf(draws[i], kMinDraw);
     if (beats(race, i, best, best_i)) best = race, best_i = i;
   });
   block_argmax(sh, best, best_i);
-  if (threadIdx.x == 0) p.out[row] = best_i;
+  if (p.drafts) {
+    kept = block_sum(sh, kept);
+    draft_weight = block_sum(sh, draft_weight);
+  }
+  if (threadIdx.x == 0) {
+    p.out[row] = best_i == INT32_MAX && draft >= 0 ? draft : best_i;
+    if (p.drafts) p.draft_probs[row] = draft_weight / kept;
+  }
 }
 
 }  // namespace
 
 const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride,
                           uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
-                          int64_t rows, int64_t vocab, uintptr_t stream) {
+                          uintptr_t drafts, uintptr_t draft_probs, int64_t rows, int64_t vocab, uintptr_t stream) {
   if (rows < 0 || vocab < 1 || vocab > (1 << 24)) return "sample_tokens: needs rows >= 0 and 1 <= vocab <= 2^24";
   if (rows == 0) return nullptr;
   if (rows > INT32_MAX) return "sample_tokens: too many rows";
+  if ((drafts == 0) != (draft_probs == 0)) return "sample_tokens: drafts and draft_probs go together";
   int index_bits = 1;
   while ((int64_t{1} << index_bits) < vocab) ++index_bits;
   SampleParams p{reinterpret_cast<const float*>(logits),
@@ -345,6 +381,8 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
                  reinterpret_cast<const int64_t*>(top_k),
                  reinterpret_cast<const float*>(min_p),
                  reinterpret_cast<int64_t*>(out),
+                 reinterpret_cast<const int64_t*>(drafts),
+                 reinterpret_cast<float*>(draft_probs),
                  static_cast<int>(vocab),
                  index_bits};
   launch_kernel(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, as_stream(stream), p);

@@ -47,6 +47,11 @@ def seeded(seed):
         {"repetition_penalty": 0.0},
         {"temperature": float("nan")},
         {"repetition_penalty": float("nan")},
+        # float32 would hold these as inf or 0: NaN probabilities (token 0) at the sampler
+        {"temperature": float("inf")},
+        {"temperature": 1e308},
+        {"repetition_penalty": 1e-300},
+        {"repetition_penalty": 1e300},
         {"seed": 2**63},
         {"seed": -(2**63) - 1},
         {"seed": 1.5},
@@ -119,11 +124,79 @@ def test_tiny_temperatures_sample_greedily_in_a_mixed_batch(temperature, device)
         assert out.sampled_token_ids[row] == logits[row].argmax()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
+@pytest.mark.parametrize("top_p", [1e-30, 1e-300])
+def test_a_top_p_that_float32_holds_as_0_keeps_the_top_token(top_p, device):
+    """1e-300 reaches the sampler as 0.0: the nucleus test dropped every token, the top one too, and the row's
+    token came out of NaN probabilities (token 0). (On a GPU: the fused sampling kernel.)"""
+    logits = (torch.randn(4, 50, generator=seeded(4)) * 3).to(device)
+    params = [SamplingParams(top_p=top_p, temperature=1.2, seed=1), SamplingParams(temperature=0.9),
+              SamplingParams(top_p=top_p, temperature=0.7, top_k=9), SamplingParams(top_p=top_p, min_p=0.2)]
+    batch = SamplingBatch.from_params(params, [None] * 4, [[]] * 4, [[]] * 4, device=device)
+    for _ in range(5):
+        out = Sampler()(logits, batch).sampled_token_ids
+        assert all(out[row] == logits[row].argmax() for row in (0, 2, 3)), out
+
+
+def test_extreme_float_parameters_that_fit_float32_still_sample():
+    """The edges of the accepted ranges: every token a real one, greedy where the parameters leave one choice."""
+    logits = torch.randn(4, 40, generator=seeded(5)) * 3
+    params = [SamplingParams(temperature=3e38), SamplingParams(temperature=1e-5, repetition_penalty=1e-6),
+              SamplingParams(temperature=0.5, repetition_penalty=1e6), SamplingParams(temperature=1e-5, top_k=3)]
+    outputs = [[], [7], [int(logits[2].argmax())], []]
+    batch = SamplingBatch.from_params(params, [None] * 4, [[]] * 4, outputs)
+    for _ in range(10):
+        out = Sampler()(logits, batch).sampled_token_ids.tolist()
+        assert out[1] == 7 or logits[1, 7] <= 0  # a seen token with a positive logit, divided by 1e-6, wins
+        assert out[2] != int(logits[2].argmax())  # the top token, seen, multiplied down by 1e6 (or divided)
+        assert out[3] == int(logits[3].argmax())
+        assert all(0 <= t < 40 for t in out)
+
+
 def test_tiny_top_p_keeps_only_the_max():
     logits = torch.randn(8, 100, generator=seeded(2))
     batch = make_batch([SamplingParams(top_p=1e-6, temperature=1.5)] * 8)
     for _ in range(20):
         assert torch.equal(Sampler()(logits, batch).sampled_token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])  # fmt: skip
+def test_sample_residual_leaves_the_draft_out_and_gives_its_probability(device):
+    """Per row with a draft (the verification of speculative drafts): the draft's probability under the row's
+    filtered distribution, and a token from the rest. Where the draft is the only token kept, the draft; a
+    greedy row gives its argmax and 1 or 0; with no draft (-1) the row samples as sample_tokens does."""
+    from atom.ops.cuda import sample_residual, sample_tokens
+    from atom.ops.sampling import exponential_draws, filtered_probs
+
+    vocab = 40
+    logits = (torch.randn(1, vocab, generator=seeded(6)) * 2).expand(7, -1).contiguous().to(device)
+    ranked = logits[0].argsort(descending=True).tolist()
+    top, second, last = ranked[0], ranked[1], ranked[-1]
+    temperature = torch.tensor([1.0, 1.0, 0.8, 1.0, 0.0, 0.0, 1.3], device=device)
+    top_k = torch.tensor([0, 0, 3, 0, 0, 0, 0], device=device)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1e-9, 1.0, 1.0, 0.9], device=device)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05], device=device)
+    # a likely draft, an unlikely one, one top-k filters out, the only token kept, greedy hit and miss, none
+    drafts = torch.tensor([top, second, last, top, top, second, -1], device=device)
+    params = (temperature, top_k, top_p, min_p)
+    probs = filtered_probs(logits, *params)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    expected = [probs[0, top], probs[1, second], 0.0, 1.0, 1.0, 0.0, 0.0]
+    kept = [None, None, set(ranked[:3]) - {last}, None, None, None, None]
+    seen = [set() for _ in range(7)]
+    for trial in range(200):
+        draws = exponential_draws(logits, [torch.Generator(device).manual_seed(trial)] * 7)
+        tokens, draft_probs = sample_residual(logits, draws, *params, drafts)
+        torch.testing.assert_close(draft_probs.cpu(), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+        tokens = tokens.tolist()
+        for row in (0, 1, 2, 6):
+            assert tokens[row] != drafts[row] and probs[row, tokens[row]] > 0, (row, tokens[row])
+            seen[row].add(tokens[row])
+        assert tokens[3] == top and tokens[4] == top and tokens[5] == top
+        assert tokens[6] == sample_tokens(logits, draws, *params)[6]
+    assert all(len(seen[row]) > 3 for row in (0, 1, 6)) and seen[2] == kept[2]
 
 
 def test_top_k_restricts_to_k_largest():

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from atom.ops._C_loader import get_C
-from atom.ops.cuda import sample_tokens
-from atom.ops.sampling import exponential_draws, sample_ref
+from atom.ops.cuda import sample_residual, sample_tokens
+from atom.ops.sampling import exponential_draws, sample_ref, sample_residual_ref
 from atom.sampling_params import SamplingParams
 from atom.worker.sampler import Sampler, SamplingBatch
 
@@ -136,6 +136,59 @@ def test_sample_tokens_on_strided_rows():
     params = [t.cuda() for t in _params(rows, vocab, 5)]
     draws = exponential_draws(logits, [None] * rows)
     assert torch.equal(sample_tokens(logits, draws, *params), sample_ref(logits.contiguous(), draws, *params))
+
+
+def _drafts(logits: torch.Tensor, seed: int) -> torch.Tensor:
+    """Per row: none (-1), the argmax, the second token, or a random one (often filtered out)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = logits.shape
+    ranked = logits.topk(min(2, vocab), dim=1).indices.cpu()
+    options = torch.stack([torch.full((rows,), -1), ranked[:, 0], ranked[:, -1], torch.randint(vocab, (rows,),
+                                                                                              generator=g)], 1)
+    return options[torch.arange(rows), torch.randint(4, (rows,), generator=g)].to(logits.device)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 32000, 163840])
+@pytest.mark.parametrize("scale,bf16", [(1.0, False), (4.0, True), (20.0, True)])
+def test_sample_residual_matches_reference(vocab, scale, bf16):
+    """The kernel with a draft per row against sample_residual_ref: the same tokens from the same draws, and the
+    drafts' probabilities within float rounding; with drafts of -1, the same tokens as sample_tokens."""
+    for seed, rows in ((0, 1), (1, 5), (2, 64), (3, 300)):
+        logits = _logits(rows, vocab, scale, bf16, seed).cuda()
+        params = [t.cuda() for t in _params(rows, vocab, seed)]
+        drafts = _drafts(logits, seed)
+        draws = exponential_draws(logits, [torch.Generator("cuda").manual_seed(r) for r in range(rows)])
+        tokens, probs = sample_residual(logits, draws, *params, drafts)
+        want_tokens, want_probs = sample_residual_ref(logits, draws, *params, drafts)
+        mismatched = (tokens != want_tokens).nonzero().flatten().tolist()
+        assert not mismatched, [(r, tokens[r].item(), want_tokens[r].item(), drafts[r].item()) for r in mismatched]
+        torch.testing.assert_close(probs, want_probs, rtol=1e-4, atol=1e-6)
+        plain = drafts < 0
+        assert torch.equal(tokens[plain], sample_tokens(logits, draws, *params)[plain])
+
+
+def test_sample_residual_edges():
+    """The draft as the only token kept (tiny top_p): the draft, probability 1. A draft top-k filters out:
+    probability 0, and the token sample_tokens draws. Greedy rows: the argmax, and 1 or 0. A top_p of 0 in
+    float32 (1e-300 upstream): the top token."""
+    vocab = 5000
+    logits = _logits(6, vocab, 3.0, False, 12).cuda()
+    ranked = logits.argsort(dim=1, descending=True)
+    temperature = torch.tensor([1.0, 0.7, 0.0, 0.0, 1.0, 1.1], device="cuda")
+    top_k = torch.tensor([0, 10, 0, 1, 0, 0], device="cuda")
+    top_p = torch.tensor([1e-7, 1.0, 1.0, 1.0, 0.0, 0.0], device="cuda")
+    min_p = torch.zeros(6, device="cuda")
+    drafts = torch.stack([ranked[0, 0], ranked[1, 500], ranked[2, 0], ranked[3, 1], ranked[4, 1], torch.tensor(
+        -1, device="cuda")])  # fmt: skip
+    params = (temperature, top_k, top_p, min_p)
+    for seed in range(5):
+        draws = exponential_draws(logits, [torch.Generator("cuda").manual_seed(seed + 10 * r) for r in range(6)])
+        tokens, probs = sample_residual(logits, draws, *params, drafts)
+        argmax = logits.argmax(dim=1)
+        assert tokens[0] == drafts[0] and probs[0] == 1.0
+        assert probs[1] == 0.0 and tokens[1] == sample_tokens(logits, draws, *params)[1]
+        assert tokens[2] == argmax[2] and probs[2] == 1.0 and tokens[3] == argmax[3] and probs[3] == 0.0
+        assert tokens[4] == argmax[4] and probs[4] == 0.0 and tokens[5] == argmax[5]
 
 
 def test_sampler_draws_the_same_tokens_with_the_kernel_and_with_the_reference(monkeypatch):

@@ -50,6 +50,10 @@ BAD_REQUESTS = {
     "max_tokens zero": (COMPLETIONS, _completion(prompt="x", max_tokens=0), "max_tokens"),
     "top_p zero": (COMPLETIONS, _completion(prompt="x", top_p=0), "top_p"),
     "negative temperature": (COMPLETIONS, _completion(prompt="x", temperature=-0.5), "temperature"),
+    # Past float32: the sampler saw inf or 0 and its probabilities became NaN
+    "temperature past float32": (COMPLETIONS, _completion(prompt="x", temperature=1e308), "temperature"),
+    "temperature Infinity (not JSON)": (COMPLETIONS, b'{"prompt": "x", "temperature": Infinity}', None),
+    "repetition_penalty to 0": (CHAT, _chat(repetition_penalty=1e-300), "repetition_penalty"),
     # Once passed to the engine, where it failed the step and stopped the engine for every request.
     "seed beyond 64 bits": (COMPLETIONS, _completion(prompt="x", seed=2**70), "seed"),
     "presence_penalty range": (COMPLETIONS, _completion(prompt="x", presence_penalty=5), "presence_penalty"),

@@ -311,9 +311,11 @@ def _run_of_matches(drafts: list[int], targets: list[int]) -> int:
     return next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
 
 
-def test_verify_rows_greedy_rows_take_the_penalised_argmax_run():
+@pytest.mark.parametrize("beside_a_sampled_row", [False, True])
+def test_verify_rows_greedy_rows_take_the_penalised_argmax_run(beside_a_sampled_row):
     """Greedy rows (some penalised, one without drafts) accept the drafts that equal the argmax of their penalised
-    logits, then emit its token; their targets read back as the same run."""
+    logits, then emit its token; their targets read back as the same run. Beside a sampled row, they go through
+    the sampling kernel's greedy rows (sample_residual) instead of the all-greedy argmax."""
     gen = torch.Generator().manual_seed(0)
     vocab = 12
     plain = SamplingParams(temperature=0.0)
@@ -323,6 +325,10 @@ def test_verify_rows_greedy_rows_take_the_penalised_argmax_run():
         params.append(penalised if trial % 3 == 0 else plain)
         drafts.append(torch.randint(0, vocab, (trial % 4,), generator=gen).tolist())
         outputs.append(torch.randint(0, vocab, (3,), generator=gen).tolist())
+    if beside_a_sampled_row:
+        params.append(SamplingParams(temperature=0.9))
+        drafts.append([1, 2])
+        outputs.append([])
     logits = torch.randn(sum(1 + len(d) for d in drafts), vocab, generator=gen) * 2
     for r, d in enumerate(drafts):  # make most drafts the plain argmax, so that runs are long
         first = sum(1 + len(x) for x in drafts[:r])
@@ -330,11 +336,12 @@ def test_verify_rows_greedy_rows_take_the_penalised_argmax_run():
             if (r + j) % 5:
                 logits[first + j, token] += 6
     batch = _rows_batch(len(logits), params, drafts, outputs)
-    verdict = verify_rows(logits, batch, drafts, [True] * len(drafts), [None] * len(drafts))
+    assert batch.all_greedy != beside_a_sampled_row
+    verdict = verify_rows(logits, batch, drafts, [None] * len(drafts))
     argmax = apply_penalties(logits, batch).argmax(dim=-1).tolist()
-    lengths = [0] * len(drafts)
+    lengths = [0] * 40
     first = 0
-    for r, d in enumerate(drafts):
+    for r, d in enumerate(drafts[:40]):
         want = accept_greedy(d, argmax[first : first + len(d) + 1])
         first += len(d) + 1
         got = d[: verdict.accepted[r]] + [int(verdict.final[r])]
@@ -365,7 +372,7 @@ def test_rejection_sampling_matches_target_distribution(params, device):
     _, probs = target_probs(logits, one)
     assert 0.2 < probs[0, 2] < 0.8 and 0.2 < probs[1, 4] < 0.8  # both outcomes common
     batch = _rows_batch(n * (k + 1), [params] * n, [drafts] * n, [[0]] * n, device)
-    verdict = verify_rows(logits.repeat(n, 1).to(device), batch, [drafts] * n, [False] * n, [None] * n)
+    verdict = verify_rows(logits.repeat(n, 1).to(device), batch, [drafts] * n, [None] * n)
     accepted, final = verdict.accepted.tolist(), verdict.final.tolist()
     tokens = [drafts[:a] + [t] for a, t in zip(accepted, final)]
     for got, a, targets in zip(tokens[:500], accepted, verdict.targets.tolist()):
@@ -403,7 +410,7 @@ def test_seeded_rows_verify_the_same_in_any_batch():
                             for i, d in enumerate(drafts)])  # fmt: skip
         generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
         verdict = verify_rows(logits, _rows_batch(len(logits), params, drafts, [[]] * len(params)), drafts,
-                              [p.greedy for p in params], generators)  # fmt: skip
+                              generators)
         return [(int(verdict.accepted[before]), int(verdict.final[before]))]
 
     alone = run(0, 0)

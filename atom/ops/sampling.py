@@ -6,7 +6,9 @@
 The race draws q ~ Exp(1) per token and takes argmax(probs / q), which
 samples from probs. The draws come from the caller (``exponential_draws``), so
 this reference and the fused kernel (``atom.ops.cuda.sample_tokens``) pick the
-same token from the same draws.
+same token from the same draws. ``sample_residual_ref`` (kernel:
+``atom.ops.cuda.sample_residual``) serves the verification of speculative
+drafts: a draft's probability, and a token drawn with the draft left out.
 """
 
 from __future__ import annotations
@@ -42,15 +44,60 @@ def sample_ref(
 ) -> Tensor:
     """[rows] int64: each row's token. ``filter_top_k_top_p`` / ``filter_min_p`` False promise that no row
     filters that way (top_k 0, top_p 1 / min_p 0 everywhere); the stage is then skipped, which is exact."""
-    greedy_ids = logits.argmax(dim=-1)
+    probs = filtered_probs(logits, temperature, top_k, top_p, min_p, filter_top_k_top_p, filter_min_p)
+    sampled = (probs / draws.clamp_min(MIN_EXP_DRAW)).argmax(dim=-1)
+    return torch.where(_greedy(temperature, top_k), logits.argmax(dim=-1), sampled)
+
+
+def sample_residual_ref(
+    logits: Tensor,
+    draws: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    drafts: Tensor,
+    filter_top_k_top_p: bool = True,
+    filter_min_p: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Per row with a draft token (int64 [rows], -1: none), for the verification of speculative drafts: [rows]
+    int64 a token drawn with the draft left out (the residual distribution, where the draft was rejected; the
+    draft itself where nothing else is kept), and [rows] fp32 the draft's probability. A greedy row: its argmax,
+    and 1 if the draft is that argmax, else 0. Otherwise as ``sample_ref``."""
+    probs = filtered_probs(logits, temperature, top_k, top_p, min_p, filter_top_k_top_p, filter_min_p)
+    has_draft = drafts >= 0
+    draft = drafts.clamp_min(0).unsqueeze(1)
+    draft_probs = torch.where(has_draft, probs.gather(1, draft).squeeze(1) / probs.sum(dim=-1), 0.0)
+    residual = probs.scatter(1, draft, torch.where(has_draft.unsqueeze(1), 0.0, probs.gather(1, draft)))
+    sampled = (residual / draws.clamp_min(MIN_EXP_DRAW)).argmax(dim=-1)
+    sampled = torch.where(residual.amax(dim=-1) > 0, sampled, drafts)
+    greedy, argmax = _greedy(temperature, top_k), logits.argmax(dim=-1)
+    return (torch.where(greedy, argmax, sampled),
+            torch.where(greedy, (argmax == drafts).float(), draft_probs))  # fmt: skip
+
+
+def filtered_probs(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    min_p: Tensor,
+    filter_top_k_top_p: bool = True,
+    filter_min_p: bool = True,
+) -> Tensor:
+    """[rows, vocab] each row's sampling weights, unnormalised (past min-p): /temperature (0 read as 1), top-k
+    and top-p, softmax, min-p. Stages a flag says no row uses are skipped."""
     logits = logits / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
     if filter_top_k_top_p:
         logits = apply_top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     if filter_min_p:
         probs = apply_min_p(probs, min_p)
-    sampled = (probs / draws.clamp_min(MIN_EXP_DRAW)).argmax(dim=-1)
-    return torch.where((temperature == 0) | (top_k == 1), greedy_ids, sampled)
+    return probs
+
+
+def _greedy(temperature: Tensor, top_k: Tensor) -> Tensor:
+    return (temperature == 0) | (top_k == 1)
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -70,8 +117,9 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     p = top_p.unsqueeze(1)
-    # top_p == 1 skips the test so float rounding in the cumsum never drops the tail.
-    outside_nucleus = (mass_before >= p) & (p < 1)
+    # top_p == 1 skips the test so float rounding in the cumsum never drops the tail; position 0 (the top token)
+    # is kept even where a tiny top_p became 0 in float32.
+    outside_nucleus = (mass_before >= p) & (p < 1) & (positions > 0)
     sorted_logits = sorted_logits.masked_fill(outside_nucleus, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

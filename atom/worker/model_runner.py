@@ -389,7 +389,7 @@ class ModelRunner:
                 if st.sampling_params.has_penalties else [st.output_token_ids] * (k + 1)  # fmt: skip
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
-                              [st.sampling_params.greedy for _, _, st in others], [st.generator for _, _, st in others])
+                              [st.generator for _, _, st in others])
         return verdict, logits
 
     def _emitted_logprobs(self, others, logits: torch.Tensor, out: RunnerOutput) -> None:

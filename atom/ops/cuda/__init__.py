@@ -18,6 +18,7 @@ links against torch's C++ ABI.
     write_kv_cache        dense models' K and V cache rows at slot_mapping
     rotary_write_kv       neox rotary on q and k, the rotated k and v into the caches: one kernel
     sample_tokens         one token per logits row: temperature, top-k, top-p, min-p, exponential race
+    sample_residual       the same with a draft per row: its probability, and the race without it
 
 ``kernels_apply(*tensors)`` says whether the kernels run on given tensors
 (layers use it to pick the kernel-shaped path).
@@ -33,8 +34,8 @@ from atom.ops.cuda.mla import mla_decode, write_latent_cache
 from atom.ops.cuda.norm import gated_rmsnorm
 from atom.ops.cuda.paged_attention import (paged_decode_attention, paged_prefill_attention, rotary_write_kv,
                                           write_kv_cache)
-from atom.ops.cuda.sampling import sample_tokens
+from atom.ops.cuda.sampling import sample_residual, sample_tokens
 
 __all__ = ["kernels_apply", "kda_decode", "kda_prefill", "conv1d_update", "conv1d_prefill", "gated_rmsnorm",
            "mla_decode", "write_latent_cache", "paged_decode_attention", "paged_prefill_attention", "write_kv_cache",
-           "rotary_write_kv", "sample_tokens"]
+           "rotary_write_kv", "sample_residual", "sample_tokens"]
