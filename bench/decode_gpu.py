@@ -6,6 +6,7 @@
     python bench/decode_gpu.py --async-too           # also ATOM with async scheduling (overlap)
     python bench/decode_gpu.py --multi-step 8        # also ATOM with --num-scheduler-steps 8
     python bench/decode_gpu.py --temperature 0.8 --top-p 0.95 --async-too   # sampled, not greedy
+    python bench/decode_gpu.py --input-len 2048 --repetition-penalty 1.1 --skip-hf   # penalties over long prompts
     python bench/decode_gpu.py --shape 48b --async-too   # Kimi-Linear-48B-A3B's shape, random weights
     ROUNDS=2 bash bench/trees_ab_gpu.sh "python3 bench/decode_gpu.py --skip-hf --async-too --output-len 256 \
         --repeats 9" "^ *[0-9]+ +[0-9]"         # a change to the host's share against a base tree
@@ -138,7 +139,8 @@ def timed(fn) -> float:
 
 def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforce_eager: bool = False,
                     async_scheduling: bool = False, num_scheduler_steps: int = 1, temperature: float = 0.0,
-                    top_p: float = 1.0, load_format: str = "auto", repeats: int = 5, span: bool = False) -> float:
+                    top_p: float = 1.0, load_format: str = "auto", repeats: int = 5, span: bool = False,
+                    repetition_penalty: float = 1.0) -> float:
     """Decode tokens/s of a batch of ``prompts``. The decode time: ``decode_seconds`` (a run with new_tokens more
     tokens minus a prefill-only run), or with ``span`` the fastest ``decode_span`` of the longer run (no prefill in
     it; for engines whose prefill run takes longer than the decode it would be subtracted from)."""
@@ -152,7 +154,8 @@ def atom_decode_tps(path: str, prompts: list[list[int]], new_tokens: int, enforc
               num_scheduler_steps=num_scheduler_steps, load_format=load_format)  # fmt: skip
 
     def run(n):
-        params = SamplingParams(temperature=temperature, top_p=top_p, ignore_eos=True, max_tokens=n)
+        params = SamplingParams(temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                                ignore_eos=True, max_tokens=n)
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     run(1 + new_tokens)  # warm-up, multi-step rounds included
@@ -186,9 +189,11 @@ def decode_seconds(run, new_tokens: int, repeats: int = 5) -> float:
 
 
 def hf_decode_tps(model, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
-                  top_p: float = 1.0, repeats: int = 5) -> float:
+                  top_p: float = 1.0, repeats: int = 5, repetition_penalty: float = 1.0) -> float:
     ids = torch.tensor(prompts, device="cuda")
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+    if repetition_penalty != 1:
+        sampling["repetition_penalty"] = repetition_penalty
 
     def run(n):
         with torch.no_grad():
@@ -218,6 +223,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample at this temperature (both engines; default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (default 1)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="both engines (default 1: off); the penalties count each request's prompt every step")
     p.add_argument("--repeats", type=int, default=5,
                    help="runs of each length, both engines; the fastest counts (default 5; more for A/Bs of the "
                         "host's share of a step on a noisy host)")
@@ -266,7 +273,7 @@ def main() -> None:
         print(f"batch {batch}: atom {atom}, atom multi-step {multi}, multi-step + async {multi_overlap}, "
               f"roofline {roof:.0f} tok/s; transformers next", flush=True)  # fmt: skip
         hf = None if args.skip_hf else hf_decode_tps(model, prompts, args.output_len, args.temperature, args.top_p,
-                                                     args.repeats)
+                                                     args.repeats, args.repetition_penalty)
         rows.append((batch, atom, eager, overlap, multi, multi_overlap, hf, roof))
         print(f"batch {batch}: atom eager {eager}, atom async {overlap}, transformers {hf}", flush=True)
 
@@ -289,7 +296,7 @@ def _try_atom(args, prompts: list[list[int]], batch: int, enforce_eager: bool = 
     try:
         return atom_decode_tps(args.ckpt, prompts, args.output_len, enforce_eager, async_scheduling,
                                num_scheduler_steps, args.temperature, args.top_p, args.load_format,
-                               args.repeats)  # fmt: skip
+                               args.repeats, repetition_penalty=args.repetition_penalty)  # fmt: skip
     except Exception as e:  # report and keep the other numbers
         print(f"atom (enforce_eager={enforce_eager}, async_scheduling={async_scheduling}, num_scheduler_steps="
               f"{num_scheduler_steps}) failed at batch {batch}: {type(e).__name__}: {e}")

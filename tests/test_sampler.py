@@ -263,6 +263,30 @@ def test_penalties_change_greedy_choice_and_rows_stay_independent():
     assert Sampler()(logits, batch).sampled_token_ids.tolist() == [1, 0]
 
 
+def test_penalties_over_a_batch_of_mixed_rows_match_each_row_alone():
+    """Rows of every kind side by side (prompts as lists and as int64 arrays, long and empty, rows with only a
+    repetition penalty, only frequency / presence, none): each row's penalised logits are those of its batch of
+    one, and a row without penalties keeps its logits exactly."""
+    import numpy as np
+
+    gen = seeded(8)
+    vocab = 50
+    params = [SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.4, presence_penalty=0.3),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.5),
+              SamplingParams(presence_penalty=1.1)]  # fmt: skip
+    prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (300, 0, 40, 7, 1)]
+    prompts = [np.asarray(p, np.int64) if i % 2 else p for i, p in enumerate(prompts)]
+    outputs = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (0, 25, 9, 3, 60)]
+    logits = torch.randn(len(params), vocab, generator=gen) * 3
+    together = apply_penalties(logits, make_batch(params, prompts=prompts, outputs=outputs))
+    for row, (p, prompt, output) in enumerate(zip(params, prompts, outputs)):
+        alone = apply_penalties(logits[row : row + 1], make_batch([p], prompts=[list(prompt)], outputs=[output]))
+        assert torch.equal(together[row], alone[0]), row
+        seen = set(list(prompt) if p.repetition_penalty != 1 else []) | set(output if p.has_penalties else [])
+        changed = set((together[row] != logits[row]).nonzero().flatten().tolist())
+        assert changed <= seen and (changed or not p.has_penalties), row
+
+
 # ---------------------------------------------------------------- randomness
 
 

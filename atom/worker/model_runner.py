@@ -8,8 +8,10 @@ It never decides policy and never touches scheduler objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from atom.config import EngineConfig
@@ -45,6 +47,11 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+
+    @cached_property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt as int64, made once: a repetition penalty counts it every step."""
+        return np.asarray(self.prompt_token_ids, np.int64)
 
     @property
     def plain_greedy(self) -> bool:
@@ -300,7 +307,7 @@ class ModelRunner:
         return SamplingBatch.from_params(
             [st.sampling_params for st in states],
             [st.generator for st in states],
-            [st.prompt_token_ids for st in states],
+            [st.prompt_array for st in states],
             [st.output_token_ids for st in states],
             device=self.device,
         )
@@ -384,7 +391,7 @@ class ModelRunner:
         for _, s, st in others:  # position j is sampled as if d1..dj were already outputs (penalties see them)
             k = len(s.draft_token_ids)
             params += [st.sampling_params] * (k + 1)
-            prompts += [st.prompt_token_ids] * (k + 1)
+            prompts += [st.prompt_array] * (k + 1)
             histories += [st.output_token_ids + s.draft_token_ids[:j] for j in range(k + 1)] \
                 if st.sampling_params.has_penalties else [st.output_token_ids] * (k + 1)  # fmt: skip
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)

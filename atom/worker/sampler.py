@@ -17,8 +17,10 @@ requests share the batch. Unseeded requests share the default generator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,8 +45,10 @@ class SamplingBatch:
     frequency_penalty: Tensor  # [B] float32
     repetition_penalty: Tensor  # [B] float32
     generators: list[torch.Generator | None]  # None: default generator
-    prompt_token_ids: list[list[int]]  # repetition penalty only
-    output_token_ids: list[list[int]]  # all penalties
+    # Counted for the penalties, so empty for rows without any: the prompt (repetition penalty only) and the
+    # output tokens. Lists, or int64 arrays (the runner keeps each request's prompt as one).
+    prompt_token_ids: list[Sequence[int]]
+    output_token_ids: list[Sequence[int]]
     num_logprobs: list[int | None]
     # Host-side summaries so fast-path checks never sync with the device.
     # The defaults take the slow path, which is always correct.
@@ -57,8 +61,8 @@ class SamplingBatch:
     def from_params(
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        prompt_token_ids: list[Sequence[int]],
+        output_token_ids: list[Sequence[int]],
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
         # Every column in one upload (each upload costs ~25 us of host time on a GPU). top_k travels as a
@@ -78,8 +82,8 @@ class SamplingBatch:
             frequency_penalty=frequency,
             repetition_penalty=repetition,
             generators=list(generators),
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
+            prompt_token_ids=[ids if p.repetition_penalty != 1 else () for p, ids in zip(params, prompt_token_ids)],
+            output_token_ids=[ids if p.has_penalties else () for p, ids in zip(params, output_token_ids)],
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(p.greedy for p in params),
             any_penalties=any(p.has_penalties for p in params),
@@ -124,14 +128,18 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
-def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
-    """[B, V] float32 occurrence counts; rows are padded with an out-of-vocab id that is dropped."""
-    max_len = max((len(ids) for ids in token_ids), default=0)
-    padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
-    index = upload(padded, torch.int64, device).view(len(token_ids), max_len)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
-    return counts[:, :vocab_size]
+def _token_counts(token_ids: list[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V] float32 occurrence counts. The ids go up flat with their row numbers, in one upload: a batch of long
+    prompts padded to the longest cost milliseconds of host time a step."""
+    lengths = [len(ids) for ids in token_ids]
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    total = sum(lengths)
+    if total:
+        rows = np.repeat(np.arange(len(token_ids), dtype=np.int64), lengths)
+        flat = np.concatenate([np.asarray(ids, np.int64) for ids in token_ids if len(ids)])
+        packed = upload(rows * vocab_size + flat, torch.int64, device)
+        counts.view(-1).index_add_(0, packed, torch.ones(total, dtype=torch.float32, device=device))
+    return counts
 
 
 def _sampled_logprobs(
