@@ -67,7 +67,7 @@ def test_kda_prefill_reference_matches_model_chunked_form():
 
     torch.manual_seed(0)
     lens, H, K, V = [5, 40, 17], 2, 16, 8
-    starts = [0, 5, 45, 62]
+    starts = [sum(lens[:i]) for i in range(len(lens) + 1)]  # [0, 5, 45, 62]
     (layout,) = split_decode_prefill(starts, torch.device("cpu"))
     T = starts[-1]
     q, k, v = _rand(T, H, K), _rand(T, H, K), _rand(T, H, V)

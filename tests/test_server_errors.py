@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -162,3 +163,28 @@ async def test_stream_aborted_by_the_server_ends_with_an_error_event(server):
     assert events[-1] == b"[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "aborted" in error["message"]
+
+
+def test_a_step_that_raises_fails_every_request_with_503_and_nothing_hangs(llama_ckpt):
+    """A bug inside a step (injected: the model's forward raises) fails the request in it, a stream whose first
+    chunk never came too, with a 503 naming the error. /health then answers 503, and new requests (plain or
+    streamed) get a 503 at once instead of waiting on a dead loop."""
+    with ServerThread(llama_ckpt, max_model_len=128) as server:
+        assert http_json(server.url + "/health")[0] == 200
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected fault")
+
+        server.on_loop(lambda: setattr(server.engine.core.runner.model, "forward", broken))
+        status, reply = http_json(server.url + COMPLETIONS, body=_completion(prompt="x", max_tokens=4, stream=True))
+        assert status == 503 and "engine step failed" in reply["error"]["message"], reply
+        assert "injected fault" in reply["error"]["message"]
+        status, reply = http_json(server.url + "/health")
+        assert status == 503 and "injected fault" in reply["error"]["message"], reply
+        started = time.monotonic()
+        for path, body in ((COMPLETIONS, _completion(prompt="y", max_tokens=4)),
+                           (CHAT, _chat(max_completion_tokens=4, stream=True))):  # fmt: skip
+            status, reply = http_json(server.url + path, body=body)
+            assert status == 503 and "the engine stopped after an error" in reply["error"]["message"], reply
+        assert time.monotonic() - started < 5
+        server.wait_idle_and_free()  # the failed request's blocks and state slot came back

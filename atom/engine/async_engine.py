@@ -269,9 +269,9 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in a step: fail every request, loudly
             logger.exception("engine step failed; failing all requests")
             self.dead_error = exc
-            for request_id, queue in list(self._queues.items()):
+            for request_id, outputs in list(self._queues.items()):
                 self.core.abort_request(request_id)
-                queue.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
+                outputs.put_nowait(EngineDeadError(f"engine step failed: {exc!r}"))
 
     # -- introspection for /health and /metrics --------------------------------------
     def stats(self) -> dict[str, float]:
