@@ -100,8 +100,9 @@ def make_llama_checkpoint(path: str, kind: str = "llama", tokenizer: bool = True
     return path
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time (no padding), EOS not special; new tokens only."""
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
+    """transformers' greedy generate, one prompt at a time (no padding), EOS not special; new tokens only.
+    ``generate_kwargs`` go to ``generate`` (e.g. repetition_penalty)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -110,7 +111,7 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=0)
+                                 pad_token_id=0, **generate_kwargs)
             outs.append(out[0, len(ids):].tolist())
     return outs
 

@@ -38,3 +38,20 @@ def test_kimi_linear_matches_transformers(variant, tmp_path, make_llm):
 def test_dense_matches_transformers(kind, tmp_path, make_llm):
     path = checkpoints.make_llama_checkpoint(str(tmp_path), kind, tokenizer=False)
     _check_against_hf(path, make_llm)
+
+
+@pytest.mark.parametrize("speculation", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}])
+def test_repetition_penalty_matches_transformers(speculation, llama_ckpt, make_llm):
+    """Greedy with a repetition penalty over prompt and output, 150 tokens (past the runner's output arrays'
+    first growths), batched: transformers' RepetitionPenaltyLogitsProcessor gives the same tokens. With n-gram
+    speculation the drafts' positions are penalised as if the drafts before them were outputs."""
+    llm = make_llm(llama_ckpt, max_num_batched_tokens=64, block_size=8, speculative_config=speculation)
+    params = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, repetition_penalty=1.3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    expected = checkpoints.hf_greedy(llama_ckpt, PROMPTS, 150, repetition_penalty=1.3)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    plain = checkpoints.hf_greedy(llama_ckpt, PROMPTS[:1], 150)
+    assert plain[0] != expected[0]  # the penalty changed the tokens
+    if speculation:
+        assert sum(o.metrics["num_draft_tokens"] for o in outs) > 20
+        assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 5

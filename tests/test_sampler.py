@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -267,8 +268,6 @@ def test_penalties_over_a_batch_of_mixed_rows_match_each_row_alone():
     """Rows of every kind side by side (prompts as lists and as int64 arrays, long and empty, rows with only a
     repetition penalty, only frequency / presence, none): each row's penalised logits are those of its batch of
     one, and a row without penalties keeps its logits exactly."""
-    import numpy as np
-
     gen = seeded(8)
     vocab = 50
     params = [SamplingParams(repetition_penalty=1.7), SamplingParams(frequency_penalty=0.4, presence_penalty=0.3),
@@ -285,6 +284,22 @@ def test_penalties_over_a_batch_of_mixed_rows_match_each_row_alone():
         seen = set(list(prompt) if p.repetition_penalty != 1 else []) | set(output if p.has_penalties else [])
         changed = set((together[row] != logits[row]).nonzero().flatten().tolist())
         assert changed <= seen and (changed or not p.has_penalties), row
+
+
+def test_a_requests_output_array_follows_its_token_list():
+    """The runner converts only the tokens appended since the last call; arrays handed out before stay as they
+    were while the list grows past the buffer."""
+    from atom.worker.model_runner import CachedRequestState
+
+    state = CachedRequestState([1, 2], SamplingParams(), None, [4, 5])
+    handed = []
+    for step in range(60):
+        state.output_token_ids.extend(range(step % 7))
+        got = state.output_array()
+        assert got.dtype == np.int64 and got.tolist() == state.output_token_ids
+        handed.append((got, list(state.output_token_ids)))
+    assert len(state.output_token_ids) > 128  # grown more than once
+    assert all(array.tolist() == tokens for array, tokens in handed)
 
 
 # ---------------------------------------------------------------- randomness

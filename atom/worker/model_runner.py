@@ -46,12 +46,26 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # only ever appended to
+    _outputs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+    _outputs_len: int = 0
 
     @cached_property
     def prompt_array(self) -> np.ndarray:
         """The prompt as int64, made once: a repetition penalty counts it every step."""
         return np.asarray(self.prompt_token_ids, np.int64)
+
+    def output_array(self) -> np.ndarray:
+        """``output_token_ids`` as int64, for the penalties to count: only the tokens appended since the last
+        call are converted (converting a long history every step costs milliseconds at batch 64)."""
+        n, have = len(self.output_token_ids), self._outputs_len
+        if n > len(self._outputs):
+            grown = np.empty(max(n, 2 * len(self._outputs), 64), np.int64)
+            grown[:have] = self._outputs[:have]
+            self._outputs = grown
+        self._outputs[have:n] = self.output_token_ids[have:n]
+        self._outputs_len = n
+        return self._outputs[:n]
 
     @property
     def plain_greedy(self) -> bool:
@@ -308,7 +322,7 @@ class ModelRunner:
             [st.sampling_params for st in states],
             [st.generator for st in states],
             [st.prompt_array for st in states],
-            [st.output_token_ids for st in states],
+            [st.output_array() for st in states],
             device=self.device,
         )
 
@@ -392,8 +406,12 @@ class ModelRunner:
             k = len(s.draft_token_ids)
             params += [st.sampling_params] * (k + 1)
             prompts += [st.prompt_array] * (k + 1)
-            histories += [st.output_token_ids + s.draft_token_ids[:j] for j in range(k + 1)] \
-                if st.sampling_params.has_penalties else [st.output_token_ids] * (k + 1)  # fmt: skip
+            if st.sampling_params.has_penalties:
+                outputs = st.output_array()
+                drafts = np.asarray(s.draft_token_ids, np.int64)
+                histories += [np.concatenate((outputs, drafts[:j])) for j in range(k + 1)]
+            else:
+                histories += [()] * (k + 1)
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
                               [st.generator for _, _, st in others])
