@@ -318,11 +318,12 @@ class ModelRunner:
                 out.logprobs[s.request_id] = [lp]
 
     def _batch(self, states: list[CachedRequestState]) -> SamplingBatch:
+        penalised = [st.sampling_params.has_penalties for st in states]
         return SamplingBatch.from_params(
             [st.sampling_params for st in states],
             [st.generator for st in states],
-            [st.prompt_array for st in states],
-            [st.output_array() for st in states],
+            [st.prompt_array if p else () for st, p in zip(states, penalised)],
+            [st.output_array() if p else () for st, p in zip(states, penalised)],
             device=self.device,
         )
 
@@ -405,12 +406,12 @@ class ModelRunner:
         for _, s, st in others:  # position j is sampled as if d1..dj were already outputs (penalties see them)
             k = len(s.draft_token_ids)
             params += [st.sampling_params] * (k + 1)
-            prompts += [st.prompt_array] * (k + 1)
             if st.sampling_params.has_penalties:
-                outputs = st.output_array()
-                drafts = np.asarray(s.draft_token_ids, np.int64)
+                outputs, drafts = st.output_array(), np.asarray(s.draft_token_ids, np.int64)
+                prompts += [st.prompt_array] * (k + 1)
                 histories += [np.concatenate((outputs, drafts[:j])) for j in range(k + 1)]
             else:
+                prompts += [()] * (k + 1)
                 histories += [()] * (k + 1)
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
