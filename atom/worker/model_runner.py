@@ -50,6 +50,14 @@ class CachedRequestState:
     _outputs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _outputs_len: int = 0
 
+    def penalty_tokens(self) -> tuple[np.ndarray | tuple, np.ndarray | tuple]:
+        """What the penalties count (``SamplingBatch``): the prompt (a repetition penalty's) and the outputs, as
+        int64 arrays; empty where the request has no such penalty."""
+        p = self.sampling_params
+        if not p.has_penalties:
+            return (), ()
+        return self.prompt_array if p.repetition_penalty != 1 else (), self.output_array()
+
     @cached_property
     def prompt_array(self) -> np.ndarray:
         """The prompt as int64, made once: a repetition penalty counts it every step."""
@@ -318,12 +326,12 @@ class ModelRunner:
                 out.logprobs[s.request_id] = [lp]
 
     def _batch(self, states: list[CachedRequestState]) -> SamplingBatch:
-        penalised = [st.sampling_params.has_penalties for st in states]
+        counted = [st.penalty_tokens() for st in states]
         return SamplingBatch.from_params(
             [st.sampling_params for st in states],
             [st.generator for st in states],
-            [st.prompt_array if p else () for st, p in zip(states, penalised)],
-            [st.output_array() if p else () for st, p in zip(states, penalised)],
+            [prompt for prompt, _ in counted],
+            [outputs for _, outputs in counted],
             device=self.device,
         )
 
@@ -406,13 +414,13 @@ class ModelRunner:
         for _, s, st in others:  # position j is sampled as if d1..dj were already outputs (penalties see them)
             k = len(s.draft_token_ids)
             params += [st.sampling_params] * (k + 1)
+            prompt, outputs = st.penalty_tokens()
+            prompts += [prompt] * (k + 1)
             if st.sampling_params.has_penalties:
-                outputs, drafts = st.output_array(), np.asarray(s.draft_token_ids, np.int64)
-                prompts += [st.prompt_array] * (k + 1)
+                drafts = np.asarray(s.draft_token_ids, np.int64)
                 histories += [np.concatenate((outputs, drafts[:j])) for j in range(k + 1)]
             else:
-                prompts += [()] * (k + 1)
-                histories += [()] * (k + 1)
+                histories += [outputs] * (k + 1)  # (nothing)
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
                               [st.generator for _, _, st in others])

@@ -45,8 +45,9 @@ class SamplingBatch:
     frequency_penalty: Tensor  # [B] float32
     repetition_penalty: Tensor  # [B] float32
     generators: list[torch.Generator | None]  # None: default generator
-    # Counted for the penalties, so empty for rows without any: the prompt (repetition penalty only) and the
-    # output tokens. Lists, or int64 arrays (the runner keeps each request's prompt as one).
+    # What the penalties count: the prompt (a repetition penalty's) and the output tokens, as lists or int64
+    # arrays. Rows without such a penalty may pass them empty, as the runner does (CachedRequestState.penalty_tokens):
+    # their counts change nothing.
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     num_logprobs: list[int | None]
@@ -82,8 +83,8 @@ class SamplingBatch:
             frequency_penalty=frequency,
             repetition_penalty=repetition,
             generators=list(generators),
-            prompt_token_ids=[ids if p.repetition_penalty != 1 else () for p, ids in zip(params, prompt_token_ids)],
-            output_token_ids=[ids if p.has_penalties else () for p, ids in zip(params, output_token_ids)],
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
             num_logprobs=[p.logprobs for p in params],
             all_greedy=all(p.greedy for p in params),
             any_penalties=any(p.has_penalties for p in params),
