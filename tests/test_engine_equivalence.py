@@ -169,6 +169,19 @@ def test_overlap_with_preemption_and_stops(ckpt, make_llm):
     assert _tokens(got) == want
 
 
+def test_seeded_rows_preempted_with_a_step_in_flight_keep_their_tokens(ckpt, make_llm):
+    """With overlap, a request preempted while its step runs has that step's sample thrown away; its seeded
+    generator is wound back to before it, so its tokens are those of a run without overlap (where nothing is
+    in flight when a request is preempted)."""
+    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=30, ignore_eos=True) for seed in range(6)]
+    runs = []
+    for overlap in (False, True):
+        llm = make_llm(ckpt, num_gpu_blocks=6, max_model_len=64, async_scheduling=overlap)
+        runs.append(_tokens(llm.generate(_inputs(), params)))
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert runs[1] == runs[0]
+
+
 def test_bfloat16_engine_runs_and_follows_auto_dtype(ckpt, make_llm):
     import torch
 

@@ -51,7 +51,11 @@ def kimi_reference(kimi_mtp_ckpt):
 def test_kimi_greedy_unchanged_by_speculation(kimi_mtp_ckpt, kimi_reference, make_llm, spec, overlap, budget):
     llm = make_llm(kimi_mtp_ckpt, speculative_config=spec, async_scheduling=overlap, max_num_batched_tokens=budget)
     assert _tokens(llm.generate(_inputs(), GREEDY)) == kimi_reference
-    assert llm.engine.scheduler.num_draft_tokens > 0
+    sched = llm.engine.scheduler
+    assert sched.num_draft_tokens > 0
+    # with overlap, rows are planned while their step before runs, and drafts are verified there too
+    assert (sched.num_rows_after_inflight > 0) == overlap
+    assert llm.engine.all_resources_free()
 
 
 def _history_drafted(llm, k: int, runs: list[list[int]]):
@@ -60,6 +64,46 @@ def _history_drafted(llm, k: int, runs: list[list[int]]):
 
     llm.engine.runner.drafter = ContinuationDrafter(k, runs, by_history=True)
     return llm
+
+
+@pytest.mark.parametrize("blocks", [None, 6], ids=["roomy", "preempting"])
+def test_overlap_verifies_rows_planned_while_the_step_before_ran(kimi_mtp_ckpt, make_llm, blocks):
+    """Speculation with overlap: a row's next verification is planned while its step before runs, with its
+    input, start and state slot filled in by the runner from that step's accepted count. With drafts accepted
+    0 .. k at a time, rows stopping on a token inside an accepted run, at max_tokens, with logprobs, a seeded
+    sampled row, and (with few blocks) preemptions: the tokens and logprobs are those of speculation without
+    overlap, and the greedy rows' those of plain decoding."""
+    k = 2
+    want_plain = _tokens(make_llm(kimi_mtp_ckpt).generate(_inputs(), GREEDY))
+    runs = [p + t for p, t in zip(PROMPTS, want_plain)]
+    params = [GREEDY,
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[want_plain[2][9]], logprobs=2),
+              SamplingParams(temperature=0.001, top_p=0.95, seed=7, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)]  # fmt: skip
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    runs_by = {}
+    for overlap in (False, True):
+        llm = _history_drafted(make_llm(kimi_mtp_ckpt, speculative_config=spec, async_scheduling=overlap,
+                                        num_gpu_blocks=blocks, max_model_len=64), k, runs)  # fmt: skip
+        runs_by[overlap] = llm.generate(_inputs(), params)
+        sched = llm.engine.scheduler
+        assert sched.num_accepted_tokens > 20
+        assert (sched.num_rows_after_inflight > 10) == overlap
+        assert (sched.num_preemptions > 0) == (blocks is not None)
+    sync, chained = runs_by[False], runs_by[True]
+    # (a seeded row recomputed after a preemption draws for different steps where it was preempted at a
+    # different token: without a preemption its tokens do not depend on the timing)
+    compared = [i for i in range(len(params)) if blocks is None or params[i].seed is None]
+    assert [_tokens(chained)[i] for i in compared] == [_tokens(sync)[i] for i in compared]
+    for i in (0, 1, 4):
+        assert _tokens(chained)[i] == want_plain[i][: params[i].max_tokens]
+    assert _tokens(chained)[2] == want_plain[2][:10] and chained[2].outputs[0].finish_reason == "stop"
+    for g, w in zip(chained, sync):
+        for g_entry, w_entry in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            assert g_entry.keys() == w_entry.keys()
+            for token, value in w_entry.items():
+                assert g_entry[token] == pytest.approx(value, abs=1e-5)
 
 
 def test_rows_with_penalties_and_logprobs_match_plain_decoding(kimi_mtp_ckpt, make_llm):
@@ -115,6 +159,7 @@ def test_llama_greedy_unchanged_by_ngram(llama_ckpt, make_llm, overlap):
     assert _tokens(llm.generate(_inputs(), GREEDY)) == reference
     sched = llm.engine.scheduler
     assert sched.num_accepted_tokens > 0  # repetitive prompts give real acceptance
+    assert (sched.num_rows_after_inflight > 0) == overlap
 
 
 def test_plain_greedy_rows_verify_through_one_lm_head(kimi_mtp_ckpt, make_llm):

@@ -62,6 +62,7 @@ class Request:
     # request's state group holds the state valid for num_computed_tokens.
     spec_token_ids: list[int] = field(default_factory=list)
     state_offset: int = 0
+    num_inflight_drafts: int = 0  # drafts (or placeholders for them) in its newest step: it emits up to 1 + these
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0

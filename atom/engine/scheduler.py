@@ -46,6 +46,7 @@ class Scheduler:
         self.num_preemptions = 0  # totals, for metrics and tests
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_rows_after_inflight = 0  # speculation with overlap: rows planned while their step ran
         # Called after each appended token: the stop string it completed, or None (set by EngineCore).
         self.text_stop = None
         # P/D: the connector's scheduler half (see atom/kv_transfer/base.py), and the
@@ -222,9 +223,10 @@ class Scheduler:
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            if request.num_pending_tokens and (lookahead or request.kv_transfer_params):
-                # speculation: its accepted count is unknown until the step in flight returns;
-                # P/D producer: its state must stay at the prompt boundary for the handoff
+            if request.num_pending_tokens and request.kv_transfer_params:
+                continue  # P/D: a producer's state must stay at the prompt boundary for the handoff
+            if request.num_pending_tokens and lookahead:
+                budget = self._schedule_after_inflight(request, out, budget)
                 continue
             if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
                 continue  # the step in flight samples its last token: a step now would be thrown away
@@ -243,6 +245,30 @@ class Scheduler:
             self._emit(request, n, out, drafts)
             budget -= n + len(drafts)
         return budget
+
+    def _schedule_after_inflight(self, request: Request, out: SchedulerOutput, budget: int) -> int:
+        """Speculation with overlap: the request's next verification, planned while the step that samples its
+        next token runs. That step emits 1 to 1 + its drafts tokens, so the next input (the token it emits last,
+        then the drafts proposed after it) and where it starts are unknown here: the row holds placeholders and
+        assumes every draft in flight is accepted (``ScheduledRequest.after_inflight``; the runner moves it back
+        by the drafts rejected), and blocks are reserved for that most.
+
+        Planned only where k drafts fit however many tokens the step in flight emits (max_tokens,
+        max_model_len, the budget): elsewhere the request waits for that step, and its next step is planned
+        as without overlap, so a row verifies the same drafts either way (and a seeded row draws the same)."""
+        lookahead = self.config.num_speculative_tokens
+        emits = 1 + request.num_inflight_drafts  # the most tokens the step in flight emits
+        if (request.num_pending_tokens != 1 or budget < 1 + lookahead
+                or self._reaches_length(request, emits + lookahead)):
+            return budget
+        while self.kv.allocate_slots(request, 1 + 2 * lookahead) is None:  # the drafts and the chain past them
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return budget
+        self._emit(request, 1, out, [PLACEHOLDER] * lookahead, after_inflight=True)
+        self.num_rows_after_inflight += 1
+        return budget - 1 - lookahead
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
@@ -271,7 +297,8 @@ class Scheduler:
             self._emit(request, n, out)
             budget -= n
 
-    def _emit(self, request: Request, n: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
+    def _emit(self, request: Request, n: int, out: SchedulerOutput, drafts: list[int] = (),
+              after_inflight: bool = False) -> None:  # fmt: skip
         start = request.num_computed_tokens
         if request.request_id not in self._sent_to_runner or start == 0:
             # First schedule, or resuming after preemption: (re)send the request in full.
@@ -282,34 +309,41 @@ class Scheduler:
             )
         tokens = request.token_ids_between(start, start + n)
         tokens += [PLACEHOLDER] * (n - len(tokens))  # sampled by the step in flight
-        sample = start + n == request.num_tokens + request.num_pending_tokens
+        sample = after_inflight or start + n == request.num_tokens + request.num_pending_tokens
         base = -1 if request.state_slot is None else request.state_slot
+        # after the step in flight with every draft accepted, the state sits at its last draft's offset
+        offset = request.num_inflight_drafts if after_inflight else request.state_offset
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=tokens + list(drafts),
                 context_len=start,
                 block_ids=list(request.block_ids),
-                state_slot=base if base < 0 else base + request.state_offset,
+                state_slot=base if base < 0 else base + offset,
                 sample=sample,
                 prompt_logprobs=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
                 draft_token_ids=list(drafts),
                 state_out_slot=base,
+                after_inflight=after_inflight,
             )
         )
         # Drafts count as computed now; update() takes back the rejected ones. A multi-step
         # round computes its num_steps - 1 further tokens too (the last one sampled is not).
         request.num_computed_tokens += n + len(drafts) + out.num_steps - 1
         request.num_pending_tokens += out.num_steps if sample else 0  # tokens the step in flight will sample
+        request.num_inflight_drafts = len(drafts)
         request.state_offset = 0
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
-        request.num_pending_tokens = 0  # an in-flight sample for it is discarded
+        if request.num_pending_tokens:  # an in-flight sample for it is discarded
+            out.discarded_req_ids.add(request.request_id)
+        request.num_pending_tokens = 0
         request.spec_token_ids = []
         request.state_offset = 0
+        request.num_inflight_drafts = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -332,23 +366,30 @@ class Scheduler:
                 continue
             request.num_pending_tokens -= sched.num_steps
             if s.draft_token_ids:
-                self._account_verification(request, s, len(tokens) - 1)
+                self._account_verification(request, s, len(tokens) - 1, result.num_drafts.get(s.request_id))
             self.kv.cache_full_blocks(request)
             changed.append(request)
             self._append_tokens(request, tokens, result.logprobs.get(s.request_id))
-            if request.status == RequestStatus.RUNNING:
+            if request.status == RequestStatus.RUNNING and not request.num_pending_tokens:
+                # (with a step after this one in flight, the runner has already given it these drafts)
                 request.spec_token_ids = result.draft_token_ids.get(s.request_id, [])
         return changed
 
-    def _account_verification(self, request: Request, s: ScheduledRequest, accepted: int) -> None:
+    def _account_verification(self, request: Request, s: ScheduledRequest, accepted: int,
+                              verified: int | None = None) -> None:  # fmt: skip
         """Rejected drafts were never really computed; the state after the last accepted
-        token sits at offset ``accepted`` of the request's slot group."""
+        token sits at offset ``accepted`` of the request's slot group. ``verified``: the drafts
+        the runner had for a row planned with placeholder drafts (``after_inflight``), which may
+        be fewer than the positions planned; the positions past them were not computed either."""
+        verified = len(s.draft_token_ids) if verified is None else verified
         request.num_computed_tokens -= len(s.draft_token_ids) - accepted
         request.state_offset = accepted
-        request.num_draft_tokens += len(s.draft_token_ids)
+        if not verified:
+            return
+        request.num_draft_tokens += verified
         request.num_accepted_tokens += accepted
         request.num_verify_steps += 1
-        self.num_draft_tokens += len(s.draft_token_ids)
+        self.num_draft_tokens += verified
         self.num_accepted_tokens += accepted
 
     def _append_tokens(self, request: Request, tokens: list[int], logprobs) -> None:

@@ -40,6 +40,11 @@ class ScheduledRequest:
     # token j is kept in slot state_out_slot + j. Otherwise the final state goes to state_out_slot.
     draft_token_ids: list[int] = field(default_factory=list)
     state_out_slot: int = -1
+    # Speculation with overlap: planned while the step that samples this row's first token ran, so
+    # token_ids (that token, then the drafts proposed after it) are all PLACEHOLDER, and context_len and
+    # state_slot assume that step accepted every one of its drafts. The runner fills in the tokens and moves
+    # both back by the drafts that step rejected; it verifies at most len(draft_token_ids) drafts.
+    after_inflight: bool = False
 
 
 @dataclass
@@ -48,6 +53,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # runner may drop their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # the preempted requests with a step still in flight (overlap): its sample is thrown away, so the
+    # runner winds their seeded generators back to before it (their tokens do not depend on the timing)
+    discarded_req_ids: set[str] = field(default_factory=set)
     # Multi-step decoding: every scheduled row is one decode token, and the runner runs this
     # many steps, feeding each sampled token back in; blocks for all of them are allocated.
     num_steps: int = 1
@@ -70,6 +78,8 @@ class RunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     # request id -> logprobs of the prompt positions covered this step (entry per token, None for position 0)
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # rows planned ``after_inflight``: how many drafts they verified (the drafter may propose fewer)
+    num_drafts: dict[str, int] = field(default_factory=dict)
     # Set when the sampled tokens are still on their way to the host (async scheduling,
     # atom/worker/deferred.py): call it before reading ``sampled``.
     wait: Callable[[], None] | None = None

@@ -47,6 +47,13 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)  # only ever appended to
+    # its last step's drafts as planned, less those accepted; and the drafts proposed after it
+    # (for a row planned while that step ran: ScheduledRequest.after_inflight)
+    num_rejected: int = 0
+    next_drafts: list[int] = field(default_factory=list)
+    # with overlap, the seeded generator's state before its newest step: restored where the scheduler
+    # throws that step's sample away (a preemption while it ran)
+    generator_before: torch.Tensor | None = None
     _outputs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _outputs_len: int = 0
 
@@ -134,6 +141,10 @@ class ModelRunner:
                                        *(new.request_id for new in sched.new_requests)])  # fmt: skip
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+        for req_id in sched.discarded_req_ids:
+            st = self.requests.get(req_id)
+            if st is not None and st.generator_before is not None:
+                st.generator.set_state(st.generator_before)
         for new in sched.new_requests:
             self.requests[new.request_id] = self._new_state(new)
 
@@ -145,7 +156,8 @@ class ModelRunner:
             gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
         else:
             gen = None
-        return CachedRequestState(new.prompt_token_ids, new.sampling_params, gen, list(new.output_token_ids))
+        return CachedRequestState(new.prompt_token_ids, new.sampling_params, gen,
+                                  output_token_ids=list(new.output_token_ids))
 
     # -- one step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -153,6 +165,12 @@ class ModelRunner:
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
+        out = RunnerOutput()
+        planned = {s.request_id: len(s.draft_token_ids) for s in sched.scheduled if s.after_inflight}
+        if planned:
+            sched = replace(sched, scheduled=self._settle(sched.scheduled, out))
+        if self.config.async_scheduling:
+            self._mark_generators(sched.scheduled)
         chained = self._chains(sched)
         if not chained:  # this step reads the host's token histories: bring in what is still in flight
             self._resolve_deferred()
@@ -160,14 +178,53 @@ class ModelRunner:
             return self._execute_steps(sched, chained)
         rows = sched.scheduled
         hidden, starts, graph = self._forward(rows, chained)
-        out = RunnerOutput()
         self._prompt_logprobs(rows, starts, hidden, out)
         together = self._greedy_together(rows)
         self._sample(rows, starts, hidden, out, defer=chained, graph=graph, skip=together)
         self._verify(rows, starts, hidden, out, graph, together)
         if self.drafter is not None and out.sampled and not out.draft_token_ids:  # (drafted in _verify: none left)
             self._propose(rows, starts, hidden, out)
+        if self.drafter is not None:
+            self._keep_for_next_step(rows, out, planned)
         return out
+
+    def _mark_generators(self, rows: list[ScheduledRequest]) -> None:
+        """Each seeded row's generator state before this step draws (``CachedRequestState.generator_before``)."""
+        for s in rows:
+            st = self.requests[s.request_id]
+            if s.sample and st.generator is not None:
+                st.generator_before = st.generator.get_state()
+
+    def _settle(self, rows: list[ScheduledRequest], out: RunnerOutput) -> list[ScheduledRequest]:
+        """Rows planned while their request's step before this one ran (``ScheduledRequest.after_inflight``),
+        made concrete from what that step left (``_keep_for_next_step``): input its last token and the drafts
+        proposed after it (at most the planned number), context and state slot moved back by the drafts it
+        rejected. ``out.num_drafts`` tells the scheduler how many drafts each verifies."""
+        self._resolve_deferred()
+        settled = []
+        for s in rows:
+            if s.after_inflight:
+                st = self.requests[s.request_id]
+                drafts = st.next_drafts[: len(s.draft_token_ids)]
+                back = st.num_rejected
+                s = replace(s, token_ids=[st.output_token_ids[-1], *drafts], draft_token_ids=drafts,
+                            context_len=s.context_len - back, state_slot=s.state_slot - back if s.state_slot >= 0
+                            else -1, after_inflight=False)  # fmt: skip
+                out.num_drafts[s.request_id] = len(drafts)
+            settled.append(s)
+        return settled
+
+    def _keep_for_next_step(self, rows: list[ScheduledRequest], out: RunnerOutput, planned: dict[str, int]) -> None:
+        """What a row planned while this step ran needs of it (``_settle``): per row that sampled, its drafts
+        as planned (``planned``: the placeholders of rows planned after a step in flight, which may be more than
+        it verified) less those accepted, and its next drafts."""
+        for s in rows:
+            tokens = out.sampled.get(s.request_id)
+            if tokens is None:
+                continue
+            st = self.requests[s.request_id]
+            st.num_rejected = planned.get(s.request_id, len(s.draft_token_ids)) - (len(tokens) - 1)
+            st.next_drafts = out.draft_token_ids.get(s.request_id, [])
 
     def _chains(self, sched: SchedulerOutput) -> bool:
         """Whether this step runs ahead of the host (deferred tokens): pure decode on the graphs, every
