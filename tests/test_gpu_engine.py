@@ -194,6 +194,36 @@ def test_gpu_sampled_rows_draft_behind_the_verification_like_eagerly(tmp_path, m
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_gpu_overlap_chains_verification_steps(tmp_path, k):
+    """Speculation with overlap on the GPU: verification steps on the graphs (drafting behind them) return with
+    their outcome on the device, and the next step's rows, planned meanwhile, are filled in there from it. With
+    drafts accepted 0 .. k at a time (scripted: tests/test_mtp_graphs.py), a seeded sampled row and a row at
+    max_tokens: the tokens equal the same engine's without overlap, and the greedy rows the CPU reference's."""
+    from atom import LLM
+    from tests.test_mtp_graphs import scripted_drafts
+
+    path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla", tokenizer=False))
+    cpu = _generate(path)
+    runs = [p + t for p, t in zip(PROMPTS, cpu)]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True),
+              GREEDY, SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True), GREEDY, GREEDY]  # fmt: skip
+    got = []
+    for overlap in (False, True):
+        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=8, async_scheduling=overlap,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k})  # fmt: skip
+        runner = llm.engine.runner
+        assert runner.drafter.graphs is not None and runner.defers_verification == overlap
+        scripted_drafts(llm, k, runs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        got.append([o.outputs[0].token_ids for o in outs])
+        assert llm.engine.scheduler.num_accepted_tokens > 40 and llm.engine.all_resources_free()
+        if overlap:
+            assert runner.num_deferred_steps >= 10 and runner.num_rows_settled_on_device >= 20
+    assert got[1] == got[0]
+    assert [got[1][i] for i in (0, 2, 4, 5)] == [cpu[i] for i in (0, 2, 4, 5)] and got[1][3] == cpu[3][:13]
+
+
 @pytest.fixture
 def graph_replays(monkeypatch):
     """Counts pure-decode steps run by replaying a captured CUDA graph, per padded size."""

@@ -16,9 +16,10 @@ import torch
 from atom import LLM, SamplingParams
 from atom.engine.scheduler_output import ScheduledRequest
 from atom.worker.drafters import DraftContext, TokenHistories
+from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS
 from atom.worker.cuda_graph import DecodeOutput, fill_decode_buffers
 from atom.worker.drafters.mtp_graphs import MTPGraphs
-from atom.worker.spec_decode import accept_greedy
+from atom.worker.spec_decode import accept_greedy, leading_matches
 from tests import checkpoints
 from tests.test_cuda_graph_buffers import EagerDecodeGraphs
 
@@ -203,6 +204,84 @@ def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shape
     # from the static buffers after the first decode steps only
     assert len(graphs.launched_after) >= 8 and len(graphs.launched) >= 1
     assert len(graphs.launched_after) + len(graphs.launched) < len(proposals)  # steps with a prefill chunk: eager
+
+
+def scripted_drafts(llm: LLM, k: int, runs: list[list[int]]) -> None:
+    """Every drafting path of ``llm`` (eager, on its graphs, right behind a verification graph) runs as it does (its
+    cache writes), but proposes the next k tokens of the request's known run after a history of n tokens, the
+    one at n % (k + 1) made wrong: steps accept 0 .. k drafts, the same whichever path drafted. Behind a
+    verification, where each row's accepted run ends is read from the verification's buffers (as the host has not
+    seen the step); on a GPU that read waits for the device."""
+    runner = llm.engine.runner
+    drafter, graphs = runner.drafter, runner.drafter.graphs
+
+    def scripted(request_id: str, length: int) -> list[int]:
+        prompt = runner.requests[request_id].prompt_token_ids
+        run = next(r for r in runs if r[: len(prompt)] == prompt)
+        drafts = (run[length : length + k] + [0] * k)[:k]
+        if length % (k + 1) < k:
+            drafts[length % (k + 1)] += 1
+        return drafts
+
+    propose, behind = drafter.propose, graphs.draft_after_verification
+
+    def proposing(ctx):
+        return {rid: scripted(rid, len(ctx.token_history[rid])) for rid in propose(ctx)}
+
+    def drafting_behind(rows, targets=None) -> torch.Tensor | None:
+        drafts = behind(rows, targets)
+        if drafts is None:
+            return None
+        n, w = len(rows), graphs.width
+        size = next(s for s in graphs.sizes if s >= n)
+        bound = graphs.decode.bound(max(s.context_len + len(s.token_ids) for s in rows))
+        cols = graphs.decode.rows[:, : n * w]
+        inputs, verified = cols[INPUT_IDS].view(n, w), graphs._verification(size, bound).greedy[: n * w].view(n, w)
+        accepted = leading_matches(inputs, verified, (cols[SEQ_LENS].view(n, w) > 0).sum(dim=1) - 1)
+        # the history ends with the token emitted last, one position past the last accepted column
+        lengths = cols[POSITIONS].view(n, w).gather(1, accepted.unsqueeze(1)).squeeze(1) + 2
+        for r, (s, length) in enumerate(zip(rows, lengths.tolist())):
+            drafts[:, r] = torch.tensor(scripted(s.request_id, length), device=drafts.device)
+        return drafts
+
+    drafter.propose, graphs.draft_after_verification = proposing, drafting_behind
+
+
+@pytest.mark.parametrize("k, odd", [(2, None), (3, None), (2, "sampled")])
+def test_overlap_chains_verification_steps_on_the_graphs(kimi_mtp_ckpt, kernel_shaped_layers, k, odd):
+    """Speculation with overlap on the (eager) graphs: a verification step whose rows all verify on the device
+    returns with its outcome still there (``deferred.DeferredVerification``), and the next step's rows, planned
+    meanwhile, are filled in on the device from it (``cuda_graph.settle_rows``: inputs, positions, slots and
+    the state slot of each row's accepted count). With drafts accepted 0 .. k at a time, rows ending at
+    max_tokens and on a stop token, and a seeded sampled row: every token equals the same engine's without
+    overlap, and the greedy rows' those of plain decoding; all is freed."""
+    prompts = [[3, 4, 5], [5, 6, 7, 8, 9, 10] * 4, list(range(20, 45)), [7] * 8, [11]]
+    plain = LLM(kimi_mtp_ckpt, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts],
+                                                         SamplingParams(temperature=0.0, max_tokens=30,
+                                                                        ignore_eos=True), use_tqdm=False)  # fmt: skip
+    runs = [p + o.outputs[0].token_ids for p, o in zip(prompts, plain)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 9, 20, 17, 20)]
+    params[4] = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[runs[4][1 + 11]])
+    if odd is not None:
+        params[2] = ODD_ROWS[odd]
+    got = []
+    for overlap in (False, True):
+        llm = _mtp_llm(kimi_mtp_ckpt, k, True, async_scheduling=overlap)
+        runner = llm.engine.runner
+        scripted_drafts(llm, k, runs)
+        runner.can_defer_verification = True  # (set at start-up where the drafter captured graphs: a GPU's)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        got.append([o.outputs[0].token_ids for o in outs])
+        sched = llm.engine.scheduler
+        assert sched.num_accepted_tokens > 10 and llm.engine.all_resources_free()
+        if overlap:
+            assert runner.num_deferred_steps >= 5 and runner.num_rows_settled_on_device >= 10
+    assert got[1] == got[0]
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            assert got[1][i] == runs[i][len(prompts[i]) :][: len(got[1][i])]
+    stop = runs[4][1:].index(runs[4][1 + 11]) + 1  # where the stop token first comes
+    assert got[1][4] == runs[4][1 : 1 + stop] and stop < 20
 
 
 def _record_drafts(llm: LLM) -> list[dict[str, list[int]]]:

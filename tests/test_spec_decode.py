@@ -462,6 +462,40 @@ def test_seeded_rows_verify_the_same_in_any_batch():
     assert all(run(before, after) == alone for before, after in [(3, 0), (0, 5), (4, 2), (7, 7)])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_verify_rows_reads_drafts_from_the_device_as_from_the_host(device):
+    """Drafts handed over on the device (``proposed``, [n, >= k], junk past a row's own; the host knows only their
+    number: rows filled in on the device by the runner's overlap) verify exactly as the same drafts from the host:
+    greedy, sampled and seeded rows with 0 .. k drafts."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, k = 40, 3
+    params, drafts = [], []
+    for i in range(24):
+        params.append(SamplingParams(temperature=(0.0, 0.7, 1.2)[i % 3], top_p=0.9 if i % 4 == 1 else 1.0,
+                                     seed=i if i % 2 else None))  # fmt: skip
+        drafts.append(torch.randint(0, vocab, (i % (k + 1),), generator=gen).tolist())
+    logits = torch.randn(sum(1 + len(d) for d in drafts), vocab, generator=gen).to(device)
+    for r, d in enumerate(drafts):  # most drafts likely, so that runs of every length come
+        first = sum(1 + len(x) for x in drafts[:r])
+        for j, token in enumerate(d):
+            logits[first + j, token] += 10.0 if (r + j) % 5 else 0.0
+    batch = _rows_batch(len(logits), params, drafts, [[]] * len(params), device)
+    proposed = torch.randint(0, vocab, (len(drafts), k + 2), generator=gen)
+    for r, d in enumerate(drafts):
+        proposed[r, : len(d)] = torch.tensor(d, dtype=torch.long)
+    verdicts = []
+    for on_device in (False, True):
+        generators = [torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
+                      for p in params]  # fmt: skip
+        torch.manual_seed(9)  # the unseeded rows' draws
+        verdicts.append(verify_rows(logits, batch, [[0] * len(d) for d in drafts] if on_device else drafts,
+                                    generators, proposed.to(device) if on_device else None))  # fmt: skip
+    host, dev = verdicts
+    for field in ("accepted", "final", "targets"):
+        assert torch.equal(getattr(host, field), getattr(dev, field)), field
+    assert len(set(host.accepted.tolist())) == k + 1  # 0 .. k drafts accepted
+
+
 def test_speculation_metrics_reach_outputs(llama_ckpt, make_llm):
     llm = make_llm(llama_ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     out = llm.generate(_inputs([REPETITIVE]), GREEDY)[0]

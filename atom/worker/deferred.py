@@ -75,6 +75,55 @@ class DeferredTokens:
             self.resolved = True
 
 
+class DeferredVerification:
+    """A verification step's outcome on its way to the host (speculation with overlap, on the graphs): per row
+    its targets [n, w] (its accepted drafts, then the token it emits after them), its accepted count [n] and
+    the drafts proposed after it [k, n], in one int64 tensor whose copy to the host is queued behind them.
+
+    The next step's rows planned while this one ran read their inputs, starts and state slots from it on the
+    device (``cuda_graph.settle_rows``). ``resolve()`` waits for the copy and gives each row its tokens (in
+    the step's output and the runner's history) and what a row planned after it needs on the host
+    (``num_rejected``, ``next_drafts``: ``model_runner.CachedRequestState``)."""
+
+    def __init__(self, targets: torch.Tensor, accepted: torch.Tensor, drafts: torch.Tensor, request_ids: list[str],
+                 states: list, planned: list[int], out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip
+        self.n, self.width = targets.shape
+        self.packed = torch.cat((targets.flatten(), accepted, drafts.flatten()))
+        self.columns = {rid: i for i, rid in enumerate(request_ids)}
+        self.planned = planned  # each row's drafts as planned (placeholders included)
+        self._request_ids, self._states, self._out = request_ids, states, out
+        self._copy = HostCopy(self.packed, host)
+        self._lock = threading.Lock()
+        self.resolved = False
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.packed[: self.n * self.width].view(self.n, self.width)
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.packed[self.n * self.width : self.n * (self.width + 1)]
+
+    @property
+    def drafts(self) -> torch.Tensor:
+        return self.packed[self.n * (self.width + 1) :].view(-1, self.n)
+
+    def resolve(self) -> None:
+        with self._lock:
+            if self.resolved:
+                return
+            flat, n, w = self._copy.wait(), self.n, self.width
+            accepted, drafts = flat[n * w : n * (w + 1)], flat[n * (w + 1) :]
+            for i, (rid, st) in enumerate(zip(self._request_ids, self._states)):
+                tokens = flat[i * w : i * w + accepted[i] + 1]
+                st.output_token_ids.extend(tokens)
+                st.num_rejected = self.planned[i] - accepted[i]
+                st.next_drafts = drafts[i::n]
+                self._out.sampled[rid] = tokens
+                self._out.draft_token_ids[rid] = st.next_drafts
+            self.resolved = True
+
+
 class PinnedRing:
     """A few pinned host buffers used in turn for copies to the host. A buffer lent to a deferred
     step is taken again only once that step has been resolved (resolving it first if need be)."""

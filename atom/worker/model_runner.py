@@ -21,11 +21,12 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
+from atom.ops.cuda.fused import INPUT_IDS, SEQ_LENS
 from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_decode_graphs
-from atom.worker.deferred import DeferredTokens, HostCopy, PinnedRing
+from atom.worker.deferred import DeferredTokens, DeferredVerification, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, TokenHistories, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
-from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, verify_rows
+from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, leading_matches, verify_rows
 
 
 def defers_tokens(config: EngineConfig, has_drafter: bool) -> bool:
@@ -116,9 +117,18 @@ class ModelRunner:
         # Async scheduling: greedy steps on the graphs return before their tokens reach the host
         # (atom/worker/deferred.py); these are the ones not yet known to be there, oldest first.
         self.defer_tokens = defers_tokens(config, self.drafter is not None)
-        self._deferred: list[DeferredTokens] = []
+        # speculation with overlap: verification steps on the graphs, drafted behind on the graphs too, may return
+        # before their outcome reaches the host (``_verification_chains``; with async scheduling)
+        self.can_defer_verification = bool(config.kv_transfer_config is None and self.drafter is not None
+                                           and self.drafter.drafts_behind_graphs)
+        self._deferred: list[DeferredTokens | DeferredVerification] = []
         self.num_deferred_steps = 0  # steps that returned before their tokens reached the host
+        self.num_rows_settled_on_device = 0  # rows planned after a deferred verification, filled in from it
         self._ring = PinnedRing()  # host landing buffers for sampled ids
+
+    @property
+    def defers_verification(self) -> bool:
+        return self.can_defer_verification and bool(self.config.async_scheduling)
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -167,26 +177,102 @@ class ModelRunner:
             return RunnerOutput()
         out = RunnerOutput()
         planned = {s.request_id: len(s.draft_token_ids) for s in sched.scheduled if s.after_inflight}
-        if planned:
+        settle = self._settle_on_device(sched.scheduled, out) if planned else None
+        if settle is not None:
+            sched = replace(sched, scheduled=settle[0])
+        elif planned:
             sched = replace(sched, scheduled=self._settle(sched.scheduled, out))
         if self.config.async_scheduling:
             self._mark_generators(sched.scheduled)
         chained = self._chains(sched)
-        if not chained:  # this step reads the host's token histories: bring in what is still in flight
+        defer_verification = settle is not None or (self.defers_verification and self._verification_chains(sched))
+        if not chained and not defer_verification:  # this step reads the host's histories: bring in the rest
             self._resolve_deferred()
         if sched.num_steps > 1:
             return self._execute_steps(sched, chained)
         rows = sched.scheduled
-        hidden, starts, graph = self._forward(rows, chained)
+        hidden, starts, graph = self._forward(rows, chained, None if settle is None else settle[1])
         self._prompt_logprobs(rows, starts, hidden, out)
         together = self._greedy_together(rows)
         self._sample(rows, starts, hidden, out, defer=chained, graph=graph, skip=together)
+        if defer_verification:
+            self._defer_verification(rows, starts, hidden, out, graph, together, planned)
+            return out
         self._verify(rows, starts, hidden, out, graph, together)
         if self.drafter is not None and out.sampled and not out.draft_token_ids:  # (drafted in _verify: none left)
             self._propose(rows, starts, hidden, out)
         if self.drafter is not None:
             self._keep_for_next_step(rows, out, planned)
         return out
+
+    def _verification_chains(self, sched: SchedulerOutput) -> bool:
+        """Whether this verification step runs ahead of the host (speculation with overlap): on a verification
+        graph, every row verifying on the device (plain greedy, or with drafts and neither penalties nor
+        logprobs), its next drafts drafted right behind it on the graphs. Its outcome stays on the device
+        (``deferred.DeferredVerification``) for the next step, planned meanwhile, to read there."""
+        rows, graphs = sched.scheduled, self.decode_graphs
+        if sched.num_steps > 1 or graphs is None or not graphs.covers_verification(rows):
+            return False
+        for s in rows:
+            st = self.requests[s.request_id]
+            if not (st.plain_greedy or (s.draft_token_ids and st.chainable)):
+                return False
+        return self.drafter.drafts_behind(rows)
+
+    def _settle_on_device(self, rows: list[ScheduledRequest], out: RunnerOutput):
+        """Rows planned while the step before ran (``ScheduledRequest.after_inflight``) that the device can make
+        right (``cuda_graph.settle_rows``): where that step's outcome is still on its way to the host and this
+        step chains too (``_verification_chains``). The rows with their placeholders as zeros and the settle's
+        arguments, or None (``_settle`` makes them right on the host)."""
+        newest = self._deferred[-1] if self.defers_verification and self._deferred else None
+        if not isinstance(newest, DeferredVerification):
+            return None
+        zeros, settled = [], []
+        for i, s in enumerate(rows):
+            if s.after_inflight:
+                column = newest.columns.get(s.request_id)
+                if column is None or len(s.draft_token_ids) != newest.width - 1:
+                    return None
+                settled.append((i, column))
+                s = replace(s, token_ids=[0] * len(s.token_ids), draft_token_ids=[0] * len(s.draft_token_ids),
+                            after_inflight=False)  # fmt: skip
+            zeros.append(s)
+        if not self._verification_chains(SchedulerOutput(scheduled=zeros)):
+            return None
+        for s in rows:
+            if s.after_inflight:
+                out.num_drafts[s.request_id] = len(s.draft_token_ids)
+        self.num_rows_settled_on_device += len(settled)
+        return zeros, (settled, newest)
+
+    def _defer_verification(self, rows, starts: list[int], hidden: torch.Tensor, out: RunnerOutput, graph: DecodeOutput,
+                            together: frozenset[int], planned: dict[str, int]) -> None:  # fmt: skip
+        """A chained verification step (``_verification_chains``): the rows that sample verify by ``verify_rows``
+        (their drafts read from the graph's inputs: some were filled in on the device), the next drafts are
+        drafted behind, and each row's accepted count is found on the device as the drafter finds it. The
+        outcome goes to the host without waiting (``deferred.DeferredVerification``)."""
+        others = [(i, s, self.requests[s.request_id]) for i, s in enumerate(rows)
+                  if s.draft_token_ids and i not in together]  # fmt: skip
+        n, width = len(rows), 1 + self.decode_graphs.num_drafts
+        inputs = self.decode_graphs.rows[INPUT_IDS, : n * width].view(n, width)
+        targets = None
+        if others:
+            index = as_index([i for i, _, _ in others], self.device)
+            verdict, _ = self._verify_others(others, starts, hidden, graph, proposed=inputs[index, 1:])
+            targets = verdict.targets
+        drafts = self._draft_behind(rows, graph, others, targets)
+        verified = graph.greedy.view(n, width)  # with the sampled rows' targets written over their argmax
+        num_drafts = (self.decode_graphs.rows[SEQ_LENS, : n * width].view(n, width) > 0).sum(dim=1) - 1
+        accepted = leading_matches(inputs, verified, num_drafts)
+        slot, host = self._ring.take(n * (width + 1) + drafts.numel(), pin=drafts.device.type == "cuda")
+        states = [self.requests[s.request_id] for s in rows]
+        deferred = DeferredVerification(verified, accepted, drafts, [s.request_id for s in rows], states,
+                                        [planned.get(s.request_id, len(s.draft_token_ids)) for s in rows], out,
+                                        host)  # fmt: skip
+        self._ring.lend(slot, deferred)
+        self._deferred = [d for d in self._deferred if not d.resolved] + [deferred]
+        self.num_deferred_steps += 1
+        out.wait = deferred.resolve
 
     def _mark_generators(self, rows: list[ScheduledRequest]) -> None:
         """Each seeded row's generator state before this step draws (``CachedRequestState.generator_before``)."""
@@ -289,18 +375,19 @@ class ModelRunner:
                             state_slot=s.state_out_slot) for s in rows]  # fmt: skip
         return out
 
-    def _forward(self, rows: list[ScheduledRequest],
-                 chained: bool = False) -> tuple[torch.Tensor, list[int], DecodeOutput | None]:  # fmt: skip
+    def _forward(self, rows: list[ScheduledRequest], chained: bool = False,
+                 settle=None) -> tuple[torch.Tensor, list[int], DecodeOutput | None]:  # fmt: skip
         """Hidden states [T, D] of the step's flat batch, where each row's tokens start (row i's at
         starts[i]), and on the graphs their outputs (with each token's logits and greedy token).
-        A verification step on the graphs pads its rows to 1 + k tokens: starts[i] = i * (1 + k)."""
+        A verification step on the graphs pads its rows to 1 + k tokens: starts[i] = i * (1 + k).
+        ``settle``: rows the device makes right before the verification graph runs (``_settle_on_device``)."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.covers(rows):
             ids, patch = self._token_ids(rows, on_device=chained)
             graph = graphs.replay(ids, rows, patch)
             return graph.hidden, list(range(len(rows) + 1)), graph
         if graphs is not None and graphs.covers_verification(rows):
-            graph = graphs.replay_verification(self._token_ids(rows)[0], rows)
+            graph = graphs.replay_verification(self._token_ids(rows)[0], rows, settle)
             width = 1 + graphs.num_drafts
             return graph.hidden, list(range(0, len(rows) * width + 1, width)), graph
         ids, _ = self._token_ids(rows)
@@ -462,9 +549,10 @@ class ModelRunner:
         return [p for i, s, _ in group for p in range(starts[i] + len(s.token_ids) - len(s.draft_token_ids) - 1,
                                                       starts[i] + len(s.token_ids))]  # fmt: skip
 
-    def _verify_others(self, others, starts: list[int], hidden: torch.Tensor,
-                       graph: DecodeOutput | None) -> tuple[Verdict, torch.Tensor]:  # fmt: skip
-        """``verify_rows`` over the rows that do not verify by the plain argmax; also their raw logits."""
+    def _verify_others(self, others, starts: list[int], hidden: torch.Tensor, graph: DecodeOutput | None,
+                       proposed: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor]:  # fmt: skip
+        """``verify_rows`` over the rows that do not verify by the plain argmax; also their raw logits.
+        ``proposed``: their drafts on the device (``verify_rows``)."""
         positions = as_index(self._verified_positions(others, starts), self.device)
         logits = graph.logits[positions] if graph is not None else self.model.compute_logits(hidden[positions])
         params, prompts, histories = [], [], []
@@ -480,7 +568,7 @@ class ModelRunner:
                 histories += [outputs] * (k + 1)  # (nothing)
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
-                              [st.generator for _, _, st in others])
+                              [st.generator for _, _, st in others], proposed)
         return verdict, logits
 
     def _emitted_logprobs(self, others, logits: torch.Tensor, out: RunnerOutput) -> None:

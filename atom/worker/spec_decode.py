@@ -60,24 +60,36 @@ def target_probs(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:
 
 
 def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
-                generators: list[torch.Generator | None]) -> Verdict:  # fmt: skip
+                generators: list[torch.Generator | None], proposed: Tensor | None = None) -> Verdict:  # fmt: skip
     """The verification of n rows: row i ran ``[t, *drafts[i]]`` and has logits rows ``1 + len(drafts[i])``,
     back to back in ``logits`` in row order. ``batch`` has one entry per logits row (row i's parameters; for its
     j-th, its output tokens followed by ``drafts[i][:j]``, which the penalties count). ``generators[i]``: row i's
-    seeded generator, or None."""
+    seeded generator, or None. ``proposed``: the drafts on the device, [n, >= k] (row i's first len(drafts[i])
+    columns), where the host has only their number (a row filled in on the device: the runner's overlap)."""
     device, n = logits.device, len(drafts)
     counts = [len(d) for d in drafts]
     k = max(counts, default=0)
     firsts = list(accumulate((1 + c for c in counts), initial=0))  # each row's first logits row
-    # [n, k + 1] each column's logits row (columns past a row's drafts repeat its last), [n, k] its drafts
-    # (0 past them), [n] draft counts, [logits rows] the draft each checks (-1 at the bonus rows): one upload
-    packed = upload([*(f + min(j, c) for f, c in zip(firsts, counts) for j in range(k + 1)),
-                     *(d[j] if j < len(d) else 0 for d in drafts for j in range(k)), *counts,
-                     *(t for d in drafts for t in (*d, -1))], torch.long, device)  # fmt: skip
+    # [n, k + 1] each column's logits row (columns past a row's drafts repeat its last), [n] draft counts, and
+    # either [n, k] the drafts (0 past them) and [logits rows] the draft each checks (-1 at the bonus rows), or
+    # where ``proposed`` has the drafts, [logits rows] where each row's check is in them padded: one upload
+    at_rows = (f + min(j, c) for f, c in zip(firsts, counts) for j in range(k + 1))
+    checked = None
+    if proposed is None:
+        packed = upload([*at_rows, *counts, *(d[j] if j < len(d) else 0 for d in drafts for j in range(k)),
+                         *(t for d in drafts for t in (*d, -1))], torch.long, device)  # fmt: skip
+        proposed = packed[n * (k + 2) : n * (2 * k + 2)].view(n, k)
+        checked = packed[n * (2 * k + 2) :]
+    else:
+        packed = upload([*at_rows, *counts, *(i * (k + 1) + j for i, c in enumerate(counts) for j in range(c + 1))],
+                        torch.long, device)  # fmt: skip
+        proposed = proposed[:, :k]
     at = packed[: n * (k + 1)].view(n, k + 1)
-    proposed = packed[n * (k + 1) : n * (2 * k + 1)].view(n, k)
-    num_drafts = packed[n * (2 * k + 1) : n * (2 * k + 2)]
-    checked = packed[n * (2 * k + 2) :]
+    num_drafts = packed[n * (k + 1) : n * (k + 2)]
+    if checked is None:  # row i's own drafts, then -1 (its bonus row), its logits rows back to back
+        columns = torch.arange(k + 1, device=device)
+        padded = torch.nn.functional.pad(proposed, (0, 1), value=-1)
+        checked = torch.where(columns < num_drafts.unsqueeze(1), padded, -1).flatten()[packed[n * (k + 2) :]]
     own = torch.arange(k, device=device) < num_drafts.unsqueeze(1)  # [n, k]
     processed = apply_penalties(logits, batch) if batch.any_penalties else logits
     if batch.all_greedy:  # each logits row's token is its argmax, and a draft is accepted where it is that
@@ -94,6 +106,14 @@ def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
     targets = torch.where(column < accepted.unsqueeze(1), torch.nn.functional.pad(proposed, (0, 1)),
                           final.unsqueeze(1))  # fmt: skip
     return Verdict(accepted, final, targets)
+
+
+def leading_matches(inputs: Tensor, targets: Tensor, num_drafts: Tensor) -> Tensor:
+    """Per row of verification columns ``[t, d1 .. dk]`` ([n, 1 + k] ``inputs``): how many of its own
+    ``num_drafts`` drafts lead in a run equal to the ``targets`` of the columns before them (a greedy row's
+    argmax, a sampled row's ``Verdict.targets``): its accepted drafts. [n] int64."""
+    own = torch.arange(inputs.shape[1] - 1, device=inputs.device) < num_drafts.unsqueeze(1)
+    return ((inputs[:, 1:] == targets[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
 
 
 def _draws(shape: torch.Size, firsts: list[int], generators: list[torch.Generator | None], device) -> Tensor:

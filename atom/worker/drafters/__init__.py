@@ -57,6 +57,16 @@ class Drafter:
         logprobs). None (the default): the runner calls ``propose`` once the host has the step's tokens."""
         return None
 
+    @property
+    def drafts_behind_graphs(self) -> bool:
+        """Whether it drafts right behind verification graphs at all (``draft_after_verification``)."""
+        return False
+
+    def drafts_behind(self, rows: list) -> bool:
+        """Whether ``draft_after_verification`` would draft for a verification step of these rows on the graphs
+        (the runner's overlap plans on it). False by default."""
+        return False
+
 
 @dataclass
 class DraftContext:

@@ -56,6 +56,13 @@ class MTPDrafter(Drafter):
     def draft_after_verification(self, rows, targets=None) -> torch.Tensor | None:
         return None if self.graphs is None else self.graphs.draft_after_verification(rows, targets)
 
+    @property
+    def drafts_behind_graphs(self) -> bool:
+        return self.graphs is not None
+
+    def drafts_behind(self, rows) -> bool:
+        return self.graphs is not None and self.graphs.drafts_behind(rows)
+
     def propose(self, ctx: DraftContext) -> dict[str, list[int]]:
         fills = [self._fill_row(ctx, i, s) for i, s in enumerate(ctx.rows)]
         if self.graphs is not None and self.graphs.covers(ctx, fills):

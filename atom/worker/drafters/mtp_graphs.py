@@ -57,6 +57,7 @@ import torch
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING
 from atom.worker.cuda_graph import DecodeGraphs, DecodeOutput, as_index, capture_graph, fill_decode_buffers
+from atom.worker.spec_decode import leading_matches
 
 logger = logging.getLogger(__name__)
 
@@ -127,15 +128,19 @@ class MTPGraphs:
         """Right behind a verification step on the graphs: the rows' drafts [k, n] on the device (not yet copied).
         ``targets`` (row indices, their targets [m, <= w]): written over those rows' argmax first. None where
         the chained drafts could pass that graph's bound."""
-        size = next(s for s in self.sizes if s >= len(rows))  # the verification graph's (the same sizes)
-        longest = max(s.context_len + len(s.token_ids) for s in rows)
-        bound = self.decode.bound(longest)
-        if longest + self.k - 1 > bound:
+        if not self.drafts_behind(rows):
             return None
+        size = next(s for s in self.sizes if s >= len(rows))  # the verification graph's (the same sizes)
+        bound = self.decode.bound(max(s.context_len + len(s.token_ids) for s in rows))
         if targets is not None:
             index, values = targets
             self._verification(size, bound).greedy.view(size, self.width)[index, : values.shape[1]] = values
         return self._launch(size, bound, after=True)[:, : len(rows)]
+
+    def drafts_behind(self, rows) -> bool:
+        """Whether the chained drafts stay within the bound of the verification graph of these rows."""
+        longest = max(s.context_len + len(s.token_ids) for s in rows)
+        return longest + self.k - 1 <= self.decode.bound(longest)
 
     def _verification(self, size: int, bound: int) -> DecodeOutput:
         """The outputs (static buffers) of the verification graph of this size and bound."""
@@ -154,8 +159,7 @@ class MTPGraphs:
             ids, hidden = verification.greedy, verification.hidden
             argmax, inputs = ids.view(size, w), cols[INPUT_IDS].view(size, w)
             tokens = (cols[SEQ_LENS].view(size, w) > 0).sum(dim=1)  # 1 + the row's drafts; 0 a padding row
-            own = torch.arange(self.k, device=decode.device) < (tokens - 1).unsqueeze(1)
-            accepted = ((inputs[:, 1:] == argmax[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
+            accepted = leading_matches(inputs, argmax, tokens - 1)
             valid = torch.where(tokens > 0, accepted + 1, 0)
             live = (torch.arange(w, device=decode.device) < valid.unsqueeze(1)).flatten()
             meta.slot_mapping = torch.where(live, cols[SLOT_MAPPING], -1)  # (the rest attend, and are dropped)
