@@ -321,6 +321,27 @@ PYBIND11_MODULE(_C, m) {
       py::arg("stream"));
 
   m.def(
+      "pack_verification",
+      [](uintptr_t rows, int64_t row_stride, uintptr_t targets, uintptr_t drafts, int64_t drafts_stride, int64_t n,
+         int64_t width, int64_t k, uintptr_t out, uintptr_t stream) {
+        check(atom::pack_verification(rows, row_stride, targets, drafts, drafts_stride, n, width, k, out, stream));
+      },
+      "a verification step's targets, accepted counts and next drafts in one tensor", py::arg("rows"),
+      py::arg("row_stride"), py::arg("targets"), py::arg("drafts"), py::arg("drafts_stride"), py::arg("n"),
+      py::arg("width"), py::arg("k"), py::arg("out"), py::arg("stream"));
+
+  m.def(
+      "settle_verification",
+      [](uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride, uintptr_t index, int64_t count,
+         uintptr_t packed, int64_t n_prev, int64_t width, int64_t block_size, uintptr_t stream) {
+        check(atom::settle_verification(rows, row_stride, tables, table_stride, index, count, packed, n_prev, width,
+                                        block_size, stream));
+      },
+      "verification rows planned while the step before ran, made right from its outcome", py::arg("rows"),
+      py::arg("row_stride"), py::arg("tables"), py::arg("table_stride"), py::arg("index"), py::arg("m"),
+      py::arg("packed"), py::arg("n_prev"), py::arg("width"), py::arg("block_size"), py::arg("stream"));
+
+  m.def(
       "moe_route",
       [](uintptr_t logits, int64_t logits_stride, uintptr_t bias, int64_t tokens, int64_t experts, int64_t top_k,
          bool renormalize, double scale, uintptr_t ids, uintptr_t weights, uintptr_t stream) {

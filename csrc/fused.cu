@@ -15,6 +15,8 @@
 //   moe_combine  out = round(sum_j w_j * y[row_j]) (+ addend), summed in pick order; row_j = pos_j, or
 //                ids_j * T + t for every expert's output on every token (expert-major y)
 //   advance_decode  the CUDA-graph decode buffers moved one step on (multi-step decoding)
+//   pack_verification  a verification step's outcome in one tensor: each row's targets, accepted count, next drafts
+//   settle_verification  verification rows planned while the step before ran, made right from its outcome
 #include <type_traits>
 
 #include "kernel_common.h"
@@ -771,6 +773,51 @@ __global__ void advance_decode_kernel(int64_t* rows, int64_t row_stride, const i
   at(kSlotMapping) = tables[c * table_stride + pos / block_size] * block_size + pos % block_size;
 }
 
+// Speculation with overlap (atom/worker/model_runner.py): a verification step's outcome, packed as
+// targets [n, w] | accepted [n] | drafts [w - 1, n]. A row's accepted count is the leading run of its own drafts
+// (the columns past its first with seq_len > 0) equal to the targets of the columns before them.
+__global__ void pack_verification_kernel(const int64_t* rows, int64_t row_stride, const int64_t* targets,
+                                         const int64_t* drafts, int64_t drafts_stride, int64_t n, int64_t width,
+                                         int64_t k, int64_t* out) {
+  pdl_enter();
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= n) return;
+  const int64_t* ids = rows + kInputIds * row_stride + r * width;
+  const int64_t* lens = rows + kSeqLens * row_stride + r * width;
+  const int64_t* row_targets = targets + r * width;
+  int64_t accepted = 0;
+  while (accepted + 1 < width && lens[accepted + 1] > 0 && ids[accepted + 1] == row_targets[accepted]) ++accepted;
+  for (int64_t j = 0; j < width; ++j) out[r * width + j] = row_targets[j];
+  out[n * width + r] = accepted;
+  for (int64_t d = 0; d < k; ++d) out[n * (width + 1) + d * n + r] = drafts[d * drafts_stride + r];
+}
+
+// Rows planned while the step before ran, written as if it had accepted every draft: for this step's row
+// index[i] (its column index[m + i] there, index[2m + i] drafts planned for it), token j of the row reads that
+// step's last emitted token (j = 0) or its (j-1)-th next draft, and moves back by the drafts it rejected.
+__global__ void settle_verification_kernel(int64_t* rows, int64_t row_stride, const int64_t* tables,
+                                           int64_t table_stride, const int64_t* index, int64_t m,
+                                           const int64_t* packed, int64_t n_prev, int64_t width, int64_t block_size) {
+  pdl_enter();
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t >= m * width) return;
+  const int64_t i = t / width, j = t % width;
+  const int64_t here = index[i], there = index[m + i];
+  const int64_t accepted = packed[n_prev * width + there];
+  const int64_t back = index[2 * m + i] - accepted;
+  const int64_t c = here * width + j;
+  auto at = [&](DecodeRow r) -> int64_t& { return rows[r * row_stride + c]; };
+  at(kInputIds) = j == 0 ? packed[there * width + accepted] : packed[n_prev * (width + 1) + (j - 1) * n_prev + there];
+  const int64_t pos = at(kPositions) - back;
+  at(kPositions) = pos;
+  at(kSeqLens) = pos + 1;
+  at(kSlotMapping) = tables[here * table_stride + pos / block_size] * block_size + pos % block_size;
+  if (j == 0) {
+    int64_t& state = rows[kStateSlots * row_stride + here];
+    if (state >= 0) state -= back;
+  }
+}
+
 unsigned elementwise_blocks(int64_t n) {
   const int64_t blocks = ceil_div(n, kThreads);
   return static_cast<unsigned>(blocks < 132 * 16 ? (blocks > 0 ? blocks : 1) : 132 * 16);
@@ -987,6 +1034,34 @@ const char* advance_decode(uintptr_t rows, int64_t row_stride, uintptr_t tables,
       advance_decode_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, as_stream(stream),
       reinterpret_cast<int64_t*>(rows), row_stride, reinterpret_cast<const int64_t*>(tables), table_stride,
       reinterpret_cast<const int64_t*>(next_ids), n, block_size);
+  return last_launch_error();
+}
+
+const char* pack_verification(uintptr_t rows, int64_t row_stride, uintptr_t targets, uintptr_t drafts,
+                              int64_t drafts_stride, int64_t n, int64_t width, int64_t k, uintptr_t out,
+                              uintptr_t stream) {
+  if (n < 0 || width < 1 || k < 0) return "pack_verification: needs n >= 0, width >= 1 and k >= 0";
+  if (row_stride < n * width) return "pack_verification: row_stride < n * width";
+  if (k > 0 && drafts_stride < n) return "pack_verification: drafts_stride < n";
+  if (n == 0) return nullptr;
+  launch_kernel(pack_verification_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0,
+                as_stream(stream), reinterpret_cast<const int64_t*>(rows), row_stride,
+                reinterpret_cast<const int64_t*>(targets), reinterpret_cast<const int64_t*>(drafts), drafts_stride, n,
+                width, k, reinterpret_cast<int64_t*>(out));
+  return last_launch_error();
+}
+
+const char* settle_verification(uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride,
+                                uintptr_t index, int64_t m, uintptr_t packed, int64_t n_prev, int64_t width,
+                                int64_t block_size, uintptr_t stream) {
+  if (m < 0 || n_prev < 0 || width < 1 || block_size < 1) {
+    return "settle_verification: needs m >= 0, n_prev >= 0, width >= 1 and block_size >= 1";
+  }
+  if (m == 0) return nullptr;
+  launch_kernel(settle_verification_kernel, static_cast<unsigned>(ceil_div(m * width, kThreads)), kThreads, 0,
+                as_stream(stream), reinterpret_cast<int64_t*>(rows), row_stride,
+                reinterpret_cast<const int64_t*>(tables), table_stride, reinterpret_cast<const int64_t*>(index), m,
+                reinterpret_cast<const int64_t*>(packed), n_prev, width, block_size);
   return last_launch_error();
 }
 

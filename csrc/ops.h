@@ -301,6 +301,28 @@ int64_t moe_align_workspace_ints(int64_t pairs, int64_t experts);
 const char* advance_decode(uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride,
                            uintptr_t next_ids, int64_t n, int64_t block_size, uintptr_t stream);
 
+// pack_verification: speculation with overlap; a verification step's outcome in
+// one int64 tensor out [n * (width + 1) + k * n] = targets [n, width] | accepted
+// [n] | drafts [k, n]. rows: the step's decode buffers (as advance_decode's,
+// row r's tokens in columns r * width ..); targets int64 [n * width] (the argmax,
+// or a sampled row's targets); drafts int64 [k, drafts_stride] (columns < n).
+// A row's accepted count: the leading run of its drafts (its columns past the
+// first with seq_len > 0) equal to the targets of the columns before them.
+const char* pack_verification(uintptr_t rows, int64_t row_stride, uintptr_t targets, uintptr_t drafts,
+                              int64_t drafts_stride, int64_t n, int64_t width, int64_t k, uintptr_t out,
+                              uintptr_t stream);
+
+// settle_verification: m verification rows of width tokens, written into the
+// decode buffers as if the step before (packed by pack_verification, n_prev
+// rows) had accepted every draft, made right from its outcome. index int64
+// [3 * m]: this step's row, its row in the step before, the drafts planned
+// for it there. Token j of the row: input the step before's last emitted token
+// (j = 0) or its (j-1)-th next draft; positions, seq_lens and slot_mapping moved
+// back by the drafts rejected (planned - accepted), and so is its state slot.
+const char* settle_verification(uintptr_t rows, int64_t row_stride, uintptr_t tables, int64_t table_stride,
+                                uintptr_t index, int64_t m, uintptr_t packed, int64_t n_prev, int64_t width,
+                                int64_t block_size, uintptr_t stream);
+
 // moe_combine: out [tokens, dim] = round(sum_j weights[t, j] * y[pos[t * top_k
 // + j]]) summed in fp32 in pick order, plus addend [tokens, dim] (0 = none)
 // rounded as a separate add; y [pairs, dim], out and addend `dtype`,

@@ -332,6 +332,52 @@ def test_advance_decode(n, width, block_size):
     assert torch.equal(got_rows.cpu(), rows) and torch.equal(got_tables.cpu(), tables)
 
 
+@pytest.mark.parametrize("n,width,size", [(1, 2, 1), (7, 4, 8), (300, 4, 512), (33, 9, 40)])
+def test_pack_verification(n, width, size):
+    """A verification step's outcome in one tensor: each row's targets, its accepted count (rows with 0 .. k of
+    their own drafts, junk past them; every accepted count) and its next drafts (columns < n of a wider tensor)."""
+    gen = torch.Generator().manual_seed(n)
+    k = width - 1
+    rows = torch.randint(-1, 1000, (7, size * width + 5), generator=gen)
+    targets = torch.randint(0, 6, (n * width,), generator=gen)  # few ids: drafts often equal the targets
+    rows[fused.INPUT_IDS, : n * width] = torch.randint(0, 6, (n * width,), generator=gen)
+    own = torch.randint(0, width, (n,), generator=gen)  # each row's drafts; past them seq_len 0
+    lens = torch.where(torch.arange(width) <= own.unsqueeze(1), torch.randint(1, 99, (n, width), generator=gen), 0)
+    rows[fused.SEQ_LENS, : n * width] = lens.flatten()
+    drafts = torch.randint(0, 32000, (k, size), generator=gen)
+    got = fused.pack_verification(rows.cuda(), targets.cuda(), drafts.cuda()[:, :n], width)
+    want = fused.pack_verification_ref(rows, targets, drafts[:, :n], width)
+    assert torch.equal(got.cpu(), want)
+    if n > 30:
+        assert len(set(want[n * width : n * (width + 1)].tolist())) == width  # 0 .. k accepted
+
+
+@pytest.mark.parametrize("m,n_prev,width,block_size", [(1, 1, 2, 16), (5, 9, 4, 4), (64, 64, 4, 16), (37, 50, 7, 1)])
+def test_settle_verification(m, n_prev, width, block_size):
+    """Rows planned while the step before ran, made right from its outcome: inputs, positions, lengths, cache
+    slots and state slots exactly as the reference moves them (rows in any order, some without a state slot),
+    every other column untouched."""
+    gen = torch.Generator().manual_seed(m)
+    size = m + 3
+    rows = torch.randint(-1, 1000, (7, size * width + 2), generator=gen)
+    tables = torch.randint(0, 5000, (size, 40), generator=gen)
+    # positions as planned (every draft accepted): far enough in that moving back stays >= 0, within the tables
+    rows[fused.POSITIONS] = torch.randint(width, 40 * block_size - width, (rows.shape[1],), generator=gen)
+    rows[fused.STATE_SLOTS, :size] = torch.where(torch.rand(size, generator=gen) < 0.2, -1,
+                                                 torch.randint(width, 500, (size,), generator=gen))  # fmt: skip
+    accepted = torch.randint(0, width, (n_prev,), generator=gen)
+    packed = torch.cat((torch.randint(0, 32000, (n_prev * width,), generator=gen), accepted,
+                        torch.randint(0, 32000, ((width - 1) * n_prev,), generator=gen)))  # fmt: skip
+    here = torch.randperm(size, generator=gen)[:m]
+    there = torch.randint(0, n_prev, (m,), generator=gen)
+    planned = accepted[there] + torch.randint(0, width, (m,), generator=gen).clamp(max=width - 1 - accepted[there])
+    index = torch.cat((here, there, planned))
+    got_rows, got_tables = rows.cuda(), tables.cuda()
+    fused.settle_verification(got_rows, got_tables, index.cuda(), packed.cuda(), n_prev, width, block_size)
+    fused.settle_verification_ref(rows, tables, index, packed, n_prev, width, block_size)
+    assert torch.equal(got_rows.cpu(), rows) and torch.equal(got_tables.cpu(), tables)
+
+
 def test_router_logits_token_alone_or_in_a_batch_same_bits():
     """A token's logits do not depend on the tokens launched with it (its sums' order depends on the shapes)."""
     x, w = torch.randn(11, 2304).to(torch.bfloat16).cuda(), (torch.randn(256, 2304) * 2304**-0.5).cuda()

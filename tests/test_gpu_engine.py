@@ -96,7 +96,7 @@ def test_gpu_verification_steps_on_graphs_match_cpu_reference_and_eager(tmp_path
     verifications = []
     inner = DecodeGraphs.replay_verification
     monkeypatch.setattr(DecodeGraphs, "replay_verification",
-                        lambda self, ids, rows: verifications.append(len(rows)) or inner(self, ids, rows))
+                        lambda self, ids, rows, *rest: verifications.append(len(rows)) or inner(self, ids, rows, *rest))
     if kind == "kimi":
         path = checkpoints.add_mtp_weights(checkpoints.make_kimi_checkpoint(str(tmp_path), "kda_mla",
                                                                             tokenizer=False))  # fmt: skip

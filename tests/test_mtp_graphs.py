@@ -251,7 +251,7 @@ def scripted_drafts(llm: LLM, k: int, runs: list[list[int]]) -> None:
 def test_overlap_chains_verification_steps_on_the_graphs(kimi_mtp_ckpt, kernel_shaped_layers, k, odd):
     """Speculation with overlap on the (eager) graphs: a verification step whose rows all verify on the device
     returns with its outcome still there (``deferred.DeferredVerification``), and the next step's rows, planned
-    meanwhile, are filled in on the device from it (``cuda_graph.settle_rows``: inputs, positions, slots and
+    meanwhile, are filled in on the device from it (``fused.settle_verification``: inputs, positions, slots and
     the state slot of each row's accepted count). With drafts accepted 0 .. k at a time, rows ending at
     max_tokens and on a stop token, and a seeded sampled row: every token equals the same engine's without
     overlap, and the greedy rows' those of plain decoding; all is freed."""

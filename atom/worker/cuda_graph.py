@@ -81,7 +81,7 @@ from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_
 from atom.layers import attention, mla
 from atom.ops._C_loader import use_kernels
 from atom.ops.cuda.fused import (HAS_INITIAL_STATE, INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, STATE_OUT_SLOTS,
-                                 STATE_SLOTS, advance_decode)
+                                 STATE_SLOTS, advance_decode, settle_verification)
 
 logger = logging.getLogger(__name__)
 
@@ -238,15 +238,25 @@ class DecodeGraphs:
         """A verification step's outputs for rows [t, d1 .. dj] of up to 1 + num_drafts tokens: row r's
         token i at r * (1 + num_drafts) + i (views into the graph's output buffers). Rows with fewer
         drafts are padded with tokens that write no cache and attend to nothing. ``settle``: rows to make
-        right on the device from the step before's outcome (``settle_rows``' rows and previous)."""
+        right on the device from the step before's outcome (``_settle``'s arguments)."""
         width = 1 + self.num_drafts
         size = fill_decode_buffers(self.rows, self.tables, self.host_tables, input_ids, rows, self.verify_sizes,
                                    self.block_size, width)  # fmt: skip
         if settle is not None:
-            settle_rows(self.rows, self.tables, *settle, self.block_size)
+            self._settle(*settle)
         longest = max(s.context_len + len(s.token_ids) for s in rows)
         n = len(rows) * width
         return DecodeOutput(*(x[:n] for x in self._launch(size, self.bound(longest), width)))
+
+    def _settle(self, rows: list[tuple[int, int]], previous) -> None:
+        """Verification rows planned while the step before ran (``ScheduledRequest.after_inflight``), filled in
+        as if that step had accepted every draft, made right on the device from its outcome (``previous``: a
+        ``deferred.DeferredVerification``; ``fused.settle_verification``). ``rows``: (this step's row, its row
+        in ``previous``) for each; every such row has 1 + num_drafts tokens."""
+        index = upload([*(r for r, _ in rows), *(c for _, c in rows), *(previous.planned[c] for _, c in rows)],
+                       torch.long, self.device)  # fmt: skip
+        settle_verification(self.rows, self.tables, index, previous.packed, previous.n, previous.width,
+                            self.block_size)  # fmt: skip
 
     def replay_steps(self, input_ids: list[int], rows: list[ScheduledRequest], num_steps: int,
                      patch: InputPatch | None = None) -> torch.Tensor:  # fmt: skip
@@ -388,31 +398,6 @@ def fill_decode_buffers(buffers: torch.Tensor, tables: torch.Tensor, host_tables
     copy_from_host(buffers, torch.from_numpy(host))
     copy_from_host(tables[:n, :columns], table)
     return size
-
-
-def settle_rows(buffers: torch.Tensor, tables: torch.Tensor, rows: list[int], previous, block_size: int) -> None:
-    """Verification rows planned while the step before ran (``ScheduledRequest.after_inflight``), written into the
-    static buffers as if that step had accepted every draft, made right on the device from that step's outcome
-    (``previous``: a ``deferred.DeferredVerification``): input its last token and the drafts proposed after it,
-    positions, lengths and cache slots moved back by the drafts it rejected, and the state read from the slot
-    of its last accepted token. ``rows``: (this step's row, its column in ``previous``) for each; every such row
-    has ``previous.width`` tokens (1 + k)."""
-    w, m = previous.width, len(rows)
-    index = upload([*(r for r, _ in rows), *(c for _, c in rows), *(previous.planned[c] for _, c in rows)],
-                   torch.long, buffers.device)  # fmt: skip
-    here, there, planned = index[:m], index[m : 2 * m], index[2 * m :]
-    accepted = previous.accepted[there]
-    back = planned - accepted  # [m] the drafts rejected
-    last = previous.targets[there].gather(1, accepted.unsqueeze(1))  # [m, 1] the token it emitted last
-    columns = (here.unsqueeze(1) * w + torch.arange(w, device=buffers.device)).flatten()
-    buffers[INPUT_IDS, columns] = torch.cat((last, previous.drafts[:, there].T), dim=1).flatten()
-    positions = buffers[POSITIONS, columns] - back.repeat_interleave(w)
-    buffers[POSITIONS, columns] = positions
-    buffers[SEQ_LENS, columns] = positions + 1
-    blocks = tables[here].gather(1, (positions // block_size).view(m, w)).flatten()
-    buffers[SLOT_MAPPING, columns] = blocks * block_size + positions % block_size
-    state = buffers[STATE_SLOTS, here]
-    buffers[STATE_SLOTS, here] = torch.where(state >= 0, state - back, state)
 
 
 def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:

@@ -81,32 +81,20 @@ class DeferredVerification:
     the drafts proposed after it [k, n], in one int64 tensor whose copy to the host is queued behind them.
 
     The next step's rows planned while this one ran read their inputs, starts and state slots from it on the
-    device (``cuda_graph.settle_rows``). ``resolve()`` waits for the copy and gives each row its tokens (in
-    the step's output and the runner's history) and what a row planned after it needs on the host
-    (``num_rejected``, ``next_drafts``: ``model_runner.CachedRequestState``)."""
+    device (``atom.ops.cuda.fused.settle_verification``). ``resolve()`` waits for the copy and gives each row
+    its tokens (in the step's output and the runner's history) and what a row planned after it needs on the
+    host (``num_rejected``, ``next_drafts``: ``model_runner.CachedRequestState``)."""
 
-    def __init__(self, targets: torch.Tensor, accepted: torch.Tensor, drafts: torch.Tensor, request_ids: list[str],
-                 states: list, planned: list[int], out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip
-        self.n, self.width = targets.shape
-        self.packed = torch.cat((targets.flatten(), accepted, drafts.flatten()))
+    def __init__(self, packed: torch.Tensor, width: int, request_ids: list[str], states: list, planned: list[int],
+                 out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip
+        self.n, self.width = len(request_ids), width
+        self.packed = packed  # (atom.ops.cuda.fused.pack_verification)
         self.columns = {rid: i for i, rid in enumerate(request_ids)}
         self.planned = planned  # each row's drafts as planned (placeholders included)
         self._request_ids, self._states, self._out = request_ids, states, out
         self._copy = HostCopy(self.packed, host)
         self._lock = threading.Lock()
         self.resolved = False
-
-    @property
-    def targets(self) -> torch.Tensor:
-        return self.packed[: self.n * self.width].view(self.n, self.width)
-
-    @property
-    def accepted(self) -> torch.Tensor:
-        return self.packed[self.n * self.width : self.n * (self.width + 1)]
-
-    @property
-    def drafts(self) -> torch.Tensor:
-        return self.packed[self.n * (self.width + 1) :].view(-1, self.n)
 
     def resolve(self) -> None:
         with self._lock:

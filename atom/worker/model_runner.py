@@ -21,12 +21,12 @@ from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
-from atom.ops.cuda.fused import INPUT_IDS, SEQ_LENS
+from atom.ops.cuda.fused import INPUT_IDS, pack_verification
 from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_decode_graphs
 from atom.worker.deferred import DeferredTokens, DeferredVerification, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, TokenHistories, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
-from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, leading_matches, verify_rows
+from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, verify_rows
 
 
 def defers_tokens(config: EngineConfig, has_drafter: bool) -> bool:
@@ -221,7 +221,7 @@ class ModelRunner:
 
     def _settle_on_device(self, rows: list[ScheduledRequest], out: RunnerOutput):
         """Rows planned while the step before ran (``ScheduledRequest.after_inflight``) that the device can make
-        right (``cuda_graph.settle_rows``): where that step's outcome is still on its way to the host and this
+        right (``fused.settle_verification``): where that step's outcome is still on its way to the host and this
         step chains too (``_verification_chains``). The rows with their placeholders as zeros and the settle's
         arguments, or None (``_settle`` makes them right on the host)."""
         newest = self._deferred[-1] if self.defers_verification and self._deferred else None
@@ -261,12 +261,11 @@ class ModelRunner:
             verdict, _ = self._verify_others(others, starts, hidden, graph, proposed=inputs[index, 1:])
             targets = verdict.targets
         drafts = self._draft_behind(rows, graph, others, targets)
-        verified = graph.greedy.view(n, width)  # with the sampled rows' targets written over their argmax
-        num_drafts = (self.decode_graphs.rows[SEQ_LENS, : n * width].view(n, width) > 0).sum(dim=1) - 1
-        accepted = leading_matches(inputs, verified, num_drafts)
-        slot, host = self._ring.take(n * (width + 1) + drafts.numel(), pin=drafts.device.type == "cuda")
+        # (the sampled rows' targets are written over their argmax)
+        packed = pack_verification(self.decode_graphs.rows, graph.greedy, drafts, width)
+        slot, host = self._ring.take(packed.numel(), pin=packed.device.type == "cuda")
         states = [self.requests[s.request_id] for s in rows]
-        deferred = DeferredVerification(verified, accepted, drafts, [s.request_id for s in rows], states,
+        deferred = DeferredVerification(packed, width, [s.request_id for s in rows], states,
                                         [planned.get(s.request_id, len(s.draft_token_ids)) for s in rows], out,
                                         host)  # fmt: skip
         self._ring.lend(slot, deferred)

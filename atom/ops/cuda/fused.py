@@ -17,6 +17,8 @@ so both paths round to the model dtype at the same points.
     moe_gemv      routed experts at decode batch sizes: the picked experts' rows times each token
                   (``csrc/moe_gemv.cu``; two kernels for the grouped path's eight)
     advance_decode  multi-step decoding: the CUDA-graph decode buffers one step on
+    pack_verification, settle_verification  speculation with overlap: a verification step's outcome in one
+                  tensor, and the next step's rows planned meanwhile made right from it
 """
 
 from __future__ import annotations
@@ -398,3 +400,68 @@ def advance_decode(rows: torch.Tensor, tables: torch.Tensor, next_ids: torch.Ten
         return advance_decode_ref(rows, tables, next_ids, block_size)
     C().advance_decode(rows.data_ptr(), rows.stride(0), tables.data_ptr(), tables.stride(0), next_ids.data_ptr(),
                        next_ids.shape[0], block_size, stream_of(rows.device))  # fmt: skip
+
+
+# -- speculation with overlap: a verification's outcome, and the rows planned while it ran ------------------------
+
+
+def pack_verification_ref(rows: torch.Tensor, targets: torch.Tensor, drafts: torch.Tensor, width: int) -> torch.Tensor:
+    """targets [n, width] | accepted [n] | drafts [k, n] in one int64 tensor. ``rows``: the step's decode buffers
+    [7, S] (row r's tokens in columns r * width ..); ``targets`` [n * width]; ``drafts`` [k, n] (any strides). A
+    row's accepted count: the leading run of its own drafts (its columns past the first with seq_len > 0) equal to
+    the targets of the columns before them."""
+    n = targets.numel() // width
+    inputs, lens = rows[INPUT_IDS, : n * width].view(n, width), rows[SEQ_LENS, : n * width].view(n, width)
+    verified = targets.view(n, width)
+    own = lens[:, 1:] > 0
+    accepted = ((inputs[:, 1:] == verified[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
+    return torch.cat((verified.flatten(), accepted, drafts.flatten()))
+
+
+def pack_verification(rows: torch.Tensor, targets: torch.Tensor, drafts: torch.Tensor, width: int) -> torch.Tensor:
+    """One kernel on a GPU (the reference is ~8 small ones)."""
+    n = targets.numel() // width
+    if (not kernels_apply(rows, targets, drafts) or rows.stride(1) != 1 or not targets.is_contiguous()
+            or drafts.stride(1) != 1 or not rows.dtype == targets.dtype == drafts.dtype == torch.int64):  # fmt: skip
+        return pack_verification_ref(rows, targets, drafts, width)
+    out = torch.empty(n * (width + 1) + drafts.numel(), dtype=torch.long, device=rows.device)
+    C().pack_verification(rows.data_ptr(), rows.stride(0), targets.data_ptr(), drafts.data_ptr(), drafts.stride(0), n,
+                          width, drafts.shape[0], out.data_ptr(), stream_of(rows.device))  # fmt: skip
+    return out
+
+
+def settle_verification_ref(rows: torch.Tensor, tables: torch.Tensor, index: torch.Tensor, packed: torch.Tensor,
+                            n_prev: int, width: int, block_size: int) -> None:  # fmt: skip
+    """Rows planned while the step before ran (``packed`` by ``pack_verification``, n_prev rows), written into the
+    decode buffers ``rows`` as if it had accepted every draft, made right in place. ``index`` [3m]: this step's
+    row, its row in the step before, the drafts planned for it there. Row i's token j: input the token emitted
+    last (j = 0) or the (j-1)-th next draft, position, seq_len and cache slot moved back by the drafts rejected
+    (planned - accepted), and so its state slot (where it has one)."""
+    m, w = index.numel() // 3, width
+    here, there, planned = index[:m], index[m : 2 * m], index[2 * m :]
+    targets = packed[: n_prev * w].view(n_prev, w)
+    accepted = packed[n_prev * w : n_prev * (w + 1)][there]
+    drafts = packed[n_prev * (w + 1) :].view(-1, n_prev)
+    back = planned - accepted
+    last = targets[there].gather(1, accepted.unsqueeze(1))  # [m, 1]
+    columns = (here.unsqueeze(1) * w + torch.arange(w, device=rows.device)).flatten()
+    rows[INPUT_IDS, columns] = torch.cat((last, drafts[:, there].T), dim=1).flatten()
+    positions = rows[POSITIONS, columns] - back.repeat_interleave(w)
+    rows[POSITIONS, columns] = positions
+    rows[SEQ_LENS, columns] = positions + 1
+    blocks = tables[here].gather(1, (positions // block_size).view(m, w)).flatten()
+    rows[SLOT_MAPPING, columns] = blocks * block_size + positions % block_size
+    state = rows[STATE_SLOTS, here]
+    rows[STATE_SLOTS, here] = torch.where(state >= 0, state - back, state)
+
+
+def settle_verification(rows: torch.Tensor, tables: torch.Tensor, index: torch.Tensor, packed: torch.Tensor,
+                        n_prev: int, width: int, block_size: int) -> None:  # fmt: skip
+    """One kernel on a GPU (the reference is ~15 small ones)."""
+    if (not kernels_apply(rows, tables, index, packed) or rows.stride(1) != 1 or tables.stride(1) != 1
+            or not index.is_contiguous() or not packed.is_contiguous()
+            or not rows.dtype == tables.dtype == index.dtype == packed.dtype == torch.int64):  # fmt: skip
+        return settle_verification_ref(rows, tables, index, packed, n_prev, width, block_size)
+    C().settle_verification(rows.data_ptr(), rows.stride(0), tables.data_ptr(), tables.stride(0), index.data_ptr(),
+                            index.numel() // 3, packed.data_ptr(), n_prev, width, block_size,
+                            stream_of(rows.device))  # fmt: skip
