@@ -95,9 +95,10 @@ class EngineConfig:
     tokenizer: str | None = None
     speculative_config: SpeculativeConfig | None = None
     # overlap: plan step N+1 while step N runs. None: on for CUDA devices, where a step's host work (scheduling,
-    # inputs, outputs) would otherwise leave the GPU idle; off on the CPU, where both threads share the cores, and
-    # with speculation, where a row's next step waits for its accepted count: nothing overlaps, and the plans made
-    # while a step runs come back empty, an extra round trip a step (GPU_NOTES.md, session 43)
+    # inputs, outputs) would otherwise leave the GPU idle, with or without MTP speculation (a row's next
+    # verification is planned before its accepted count is known and filled in on the device: 1.12-1.20x the
+    # tokens/s on an H200, GPU_NOTES.md session 45); off on the CPU, where both threads share the cores, and with
+    # n-gram drafting, whose drafts are made on the host after each step (not measured with overlap on a GPU)
     async_scheduling: bool | None = None
     kv_transfer_config: Any = None  # KVTransferConfig or its dict form (P/D disaggregation)
     enforce_eager: bool = False  # never capture CUDA graphs of decode steps (CPU always runs eagerly)
@@ -142,7 +143,9 @@ class EngineConfig:
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_dict(self.kv_transfer_config))
         device = self._validated_device()
         if self.async_scheduling is None:
-            object.__setattr__(self, "async_scheduling", device.type == "cuda" and self.speculative_config is None)
+            spec = self.speculative_config
+            on = device.type == "cuda" and (spec is None or spec.method == "mtp")
+            object.__setattr__(self, "async_scheduling", on)
         self._validate_scheduler_steps()
 
     def _validated_device(self) -> torch.device:

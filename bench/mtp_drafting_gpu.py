@@ -12,9 +12,11 @@ Its requests are greedy, or sample with ``--temperature`` (and ``--top-p``;
 ``--seeded``: each request its own seed, so its own generator):
 
 - "behind": on its graphs, the drafting graph replayed right behind the
-  verification graph and drafting from its outputs (the default);
-- "overlap": as "behind", with async scheduling forced on (off by default
-  with speculation: the plans made while a step runs come back empty);
+  verification graph and drafting from its outputs, one step at a time
+  (``--no-async-scheduling``);
+- "overlap": as "behind", with async scheduling (the default on a GPU since
+  session 45): a row's next verification is planned while its step runs, and
+  filled in on the device from that step's outcome;
 - "after": on its graphs, after the host has accepted the drafts
   (``draft_after_verification`` off);
 - "eager": without its graphs (``drafter.graphs`` None).

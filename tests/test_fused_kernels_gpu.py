@@ -339,17 +339,21 @@ def test_pack_verification(n, width, size):
     gen = torch.Generator().manual_seed(n)
     k = width - 1
     rows = torch.randint(-1, 1000, (7, size * width + 5), generator=gen)
-    targets = torch.randint(0, 6, (n * width,), generator=gen)  # few ids: drafts often equal the targets
-    rows[fused.INPUT_IDS, : n * width] = torch.randint(0, 6, (n * width,), generator=gen)
-    own = torch.randint(0, width, (n,), generator=gen)  # each row's drafts; past them seq_len 0
+    targets = torch.randint(0, 6, (n, width), generator=gen)
+    inputs = torch.randint(0, 6, (n, width), generator=gen)  # few ids: junk drafts equal the targets often too
+    runs = torch.arange(n) % width  # row r's drafts equal the targets before them for at least runs[r] columns
+    for r, run in enumerate(runs.tolist()):
+        inputs[r, 1 : 1 + run] = targets[r, :run]
+    rows[fused.INPUT_IDS, : n * width] = inputs.flatten()
+    own = runs + (torch.rand(n, generator=gen) * (width - runs)).long()  # each row's drafts (>= its run)
     lens = torch.where(torch.arange(width) <= own.unsqueeze(1), torch.randint(1, 99, (n, width), generator=gen), 0)
-    rows[fused.SEQ_LENS, : n * width] = lens.flatten()
+    rows[fused.SEQ_LENS, : n * width] = lens.flatten()  # past a row's drafts seq_len 0
     drafts = torch.randint(0, 32000, (k, size), generator=gen)
-    got = fused.pack_verification(rows.cuda(), targets.cuda(), drafts.cuda()[:, :n], width)
-    want = fused.pack_verification_ref(rows, targets, drafts[:, :n], width)
+    got = fused.pack_verification(rows.cuda(), targets.flatten().cuda(), drafts.cuda()[:, :n], width)
+    want = fused.pack_verification_ref(rows, targets.flatten(), drafts[:, :n], width)
     assert torch.equal(got.cpu(), want)
-    if n > 30:
-        assert len(set(want[n * width : n * (width + 1)].tolist())) == width  # 0 .. k accepted
+    if n >= width:
+        assert set(want[n * width : n * (width + 1)].tolist()) == set(range(width))  # 0 .. k accepted
 
 
 @pytest.mark.parametrize("m,n_prev,width,block_size", [(1, 1, 2, 16), (5, 9, 4, 4), (64, 64, 4, 16), (37, 50, 7, 1)])

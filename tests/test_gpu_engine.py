@@ -144,7 +144,8 @@ def test_gpu_mtp_drafting_on_graphs_matches_cpu_reference_and_eager(tmp_path, mt
     cpu = _generate(path)
     runs = []
     for on_graphs in (True, False):
-        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4,
+        # one step at a time, so each step's drafts are in its output when it returns (test_gpu_overlap_*: overlap)
+        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4, async_scheduling=False,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k})  # fmt: skip
         runner, proposals = llm.engine.runner, []
         assert runner.drafter.graphs is not None
@@ -176,9 +177,9 @@ def test_gpu_sampled_rows_draft_behind_the_verification_like_eagerly(tmp_path, m
               GREEDY]  # fmt: skip
     runs = []
     for on_graphs in (True, False):
-        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4,
+        # one step at a time, so each step's drafts are in its output when it returns (test_gpu_overlap_*: overlap)
+        llm = LLM(path, dtype="float32", device="cuda", max_num_seqs=4, async_scheduling=False,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
-        assert not llm.config.async_scheduling  # by default off with speculation (nothing could overlap)
         runner, proposals = llm.engine.runner, []
         if not on_graphs:
             runner.drafter.graphs = None
@@ -499,6 +500,9 @@ def test_gpu_overlap_is_the_default_on_cuda(tmp_path):
     assert EngineConfig(model=path, device="cuda").async_scheduling is True
     assert EngineConfig(model=path, device="cuda", async_scheduling=False).async_scheduling is False
     assert EngineConfig(model=path).async_scheduling is False  # the CPU
+    mtp, ngram = ({"method": method, "num_speculative_tokens": 2} for method in ("mtp", "ngram"))
+    assert EngineConfig(model=path, device="cuda", speculative_config=mtp).async_scheduling is True
+    assert EngineConfig(model=path, device="cuda", speculative_config=ngram).async_scheduling is False
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
