@@ -215,7 +215,7 @@ def test_gpu_overlap_chains_verification_steps(tmp_path, k):
                   speculative_config={"method": "mtp", "num_speculative_tokens": k})  # fmt: skip
         runner = llm.engine.runner
         assert runner.drafter.graphs is not None and runner.defers_verification == overlap
-        scripted_drafts(llm, k, runs)
+        scripted_drafts(runner, k, runs)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         got.append([o.outputs[0].token_ids for o in outs])
         assert llm.engine.scheduler.num_accepted_tokens > 40 and llm.engine.all_resources_free()

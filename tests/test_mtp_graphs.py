@@ -206,13 +206,12 @@ def test_engine_drafting_on_the_graphs_matches_eager(kimi_mtp_ckpt, kernel_shape
     assert len(graphs.launched_after) + len(graphs.launched) < len(proposals)  # steps with a prefill chunk: eager
 
 
-def scripted_drafts(llm: LLM, k: int, runs: list[list[int]]) -> None:
-    """Every drafting path of ``llm`` (eager, on its graphs, right behind a verification graph) runs as it does (its
+def scripted_drafts(runner, k: int, runs: list[list[int]]) -> None:
+    """Every drafting path of ``runner`` (eager, on its graphs, right behind a verification graph) runs as it does (its
     cache writes), but proposes the next k tokens of the request's known run after a history of n tokens, the
     one at n % (k + 1) made wrong: steps accept 0 .. k drafts, the same whichever path drafted. Behind a
     verification, where each row's accepted run ends is read from the verification's buffers (as the host has not
     seen the step); on a GPU that read waits for the device."""
-    runner = llm.engine.runner
     drafter, graphs = runner.drafter, runner.drafter.graphs
 
     def scripted(request_id: str, length: int) -> list[int]:
@@ -268,7 +267,7 @@ def test_overlap_chains_verification_steps_on_the_graphs(kimi_mtp_ckpt, kernel_s
     for overlap in (False, True):
         llm = _mtp_llm(kimi_mtp_ckpt, k, True, async_scheduling=overlap)
         runner = llm.engine.runner
-        scripted_drafts(llm, k, runs)
+        scripted_drafts(runner, k, runs)
         runner.can_defer_verification = True  # (set at start-up where the drafter captured graphs: a GPU's)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         got.append([o.outputs[0].token_ids for o in outs])
@@ -282,6 +281,43 @@ def test_overlap_chains_verification_steps_on_the_graphs(kimi_mtp_ckpt, kernel_s
             assert got[1][i] == runs[i][len(prompts[i]) :][: len(got[1][i])]
     stop = runs[4][1:].index(runs[4][1 + 11]) + 1  # where the stop token first comes
     assert got[1][4] == runs[4][1 : 1 + stop] and stop < 20
+
+
+def test_async_engine_overlap_streams_abandoned_mid_flight(kimi_mtp_ckpt, kernel_shaped_layers):
+    """AsyncEngine with MTP speculation and overlap on the (eager) graphs: clients that walk away after a few tokens
+    abort while their verification's outcome is still on the device and a row planned after it is queued; the
+    others get plain decoding's tokens; every block and slot is freed."""
+    import asyncio
+
+    from atom import AsyncEngine
+    from tests.streams import stream_and_walk_away
+
+    k = 2
+    prompts = [{"prompt_token_ids": p} for p in ([3, 4, 5], [5, 6, 7, 8, 9, 10] * 4, list(range(20, 45)), [7] * 8,
+                                                 [11], list(range(60, 71)))]  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
+    plain = LLM(kimi_mtp_ckpt, dtype="float32").generate(prompts, greedy, use_tqdm=False)
+    reference = [o.outputs[0].token_ids for o in plain]
+    runs = [p["prompt_token_ids"] + t for p, t in zip(prompts, reference)]
+
+    async def run():
+        async with AsyncEngine.from_config(model=kimi_mtp_ckpt, dtype="float32", max_num_seqs=8,
+                                           max_num_batched_tokens=64, async_scheduling=True,
+                                           speculative_config={"method": "mtp", "num_speculative_tokens": k}) as engine:
+            runner = engine.core.runner
+            runner.decode_graphs = EagerDecodeGraphs(engine.config, runner.model, runner.caches, runner.device)
+            runner.drafter.graphs = EagerMTPGraphs(runner.model, runner.decode_graphs, k)
+            runner.can_defer_verification = True
+            scripted_drafts(runner, k, runs)
+            got = await stream_and_walk_away(engine, prompts, greedy, lambda i, tokens: i % 2 == 1 and len(tokens) > 3)
+            assert runner.num_rows_settled_on_device >= 5 and engine.core.scheduler.num_accepted_tokens > 10
+            return got
+
+    got = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    for i, tokens in enumerate(got):
+        assert (tokens is None) == (i % 2 == 1)
+        if tokens is not None:
+            assert tokens == reference[i]
 
 
 def _record_drafts(llm: LLM) -> list[dict[str, list[int]]]:
