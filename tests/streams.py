@@ -29,3 +29,13 @@ async def stream_and_walk_away(engine, prompts: list, params,
         await asyncio.sleep(0.05)
     assert engine.all_resources_free()
     return list(got)
+
+
+def assert_walked_away(got: list[list[int] | None], reference: list[list[int]],
+                       walked: Callable[[int], bool]) -> None:  # fmt: skip
+    """``stream_and_walk_away``'s result: None for the clients that walked away, the reference tokens for the
+    others."""
+    for i, tokens in enumerate(got):
+        assert (tokens is None) == walked(i)
+        if tokens is not None:
+            assert tokens == reference[i]

@@ -16,6 +16,11 @@ update of step N, or the runner before a step that must read them there
 appends each row's tokens to the runner's per-request history, and fills the
 step's ``RunnerOutput``. It runs once (under a lock: the engine's thread and the
 runner's may both ask).
+
+With speculation, a verification step on the graphs whose drafting runs right
+behind it returns the same way (``DeferredVerification``): the next step's rows,
+planned before the accepted counts were known, are filled in on the device from
+its outcome.
 """
 
 from __future__ import annotations
@@ -46,8 +51,32 @@ class HostCopy:
         return self._host.tolist()
 
 
-class DeferredTokens:
+class Deferred:
+    """One runner step's outcome (an int64 device tensor) on its way to the host, for the rows of
+    ``request_ids``. ``resolve()`` waits for the copy and hands the values to ``_apply``; it runs once,
+    under a lock (the engine's thread and the runner's may both ask)."""
+
+    def __init__(self, on_device: torch.Tensor, request_ids: list[str], out: RunnerOutput, host: torch.Tensor) -> None:
+        self.columns = {rid: i for i, rid in enumerate(request_ids)}
+        self._request_ids, self._out = request_ids, out
+        self._copy = HostCopy(on_device, host)
+        self._lock = threading.Lock()
+        self.resolved = False
+
+    def resolve(self) -> None:
+        with self._lock:
+            if self.resolved:
+                return
+            self._apply(self._copy.wait())
+            self.resolved = True
+
+    def _apply(self, values: list[int]) -> None:
+        raise NotImplementedError
+
+
+class DeferredTokens(Deferred):
     """Tokens [k, n] (k steps of n rows, step-major) of one runner step, on their way to the host.
+    ``resolve()`` appends each row's tokens to its history and to the step's output.
 
     ``tokens`` may be a view into a decode graph's output buffer (a greedy step's argmax), which that
     graph's next replay overwrites: only work queued on the stream before it may read them, as the
@@ -55,61 +84,46 @@ class DeferredTokens:
 
     def __init__(self, tokens: torch.Tensor, request_ids: list[str], histories: list[list[int]],
                  out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip
+        super().__init__(tokens, request_ids, out, host)
         self.tokens = tokens
-        self.columns = {rid: i for i, rid in enumerate(request_ids)}
-        self._request_ids, self._histories, self._out = request_ids, histories, out
-        self._copy = HostCopy(tokens, host)
-        self._lock = threading.Lock()
-        self.resolved = False
+        self._histories = histories
 
-    def resolve(self) -> None:
-        """Wait for the copy; append each row's tokens to its history and to the step's output."""
-        with self._lock:
-            if self.resolved:
-                return
-            flat, n = self._copy.wait(), len(self._request_ids)
-            for i, (rid, history) in enumerate(zip(self._request_ids, self._histories)):
-                row = flat[i::n]
-                history.extend(row)
-                self._out.sampled[rid] = row
-            self.resolved = True
+    def _apply(self, values: list[int]) -> None:
+        n = len(self._request_ids)
+        for i, (rid, history) in enumerate(zip(self._request_ids, self._histories)):
+            row = values[i::n]
+            history.extend(row)
+            self._out.sampled[rid] = row
 
 
-class DeferredVerification:
+class DeferredVerification(Deferred):
     """A verification step's outcome on its way to the host (speculation with overlap, on the graphs): per row
     its targets [n, w] (its accepted drafts, then the token it emits after them), its accepted count [n] and
     the drafts proposed after it [k, n], in one int64 tensor whose copy to the host is queued behind them.
 
     The next step's rows planned while this one ran read their inputs, starts and state slots from it on the
-    device (``atom.ops.cuda.fused.settle_verification``). ``resolve()`` waits for the copy and gives each row
-    its tokens (in the step's output and the runner's history) and what a row planned after it needs on the
-    host (``num_rejected``, ``next_drafts``: ``model_runner.CachedRequestState``)."""
+    device (``atom.ops.cuda.fused.settle_verification``). ``resolve()`` gives each row its tokens (in the
+    step's output and the runner's history) and what a row planned after it needs on the host
+    (``num_rejected``, ``next_drafts``: ``model_runner.CachedRequestState``)."""
 
     def __init__(self, packed: torch.Tensor, width: int, request_ids: list[str], states: list, planned: list[int],
                  out: RunnerOutput, host: torch.Tensor) -> None:  # fmt: skip
+        super().__init__(packed, request_ids, out, host)
         self.n, self.width = len(request_ids), width
         self.packed = packed  # (atom.ops.cuda.fused.pack_verification)
-        self.columns = {rid: i for i, rid in enumerate(request_ids)}
         self.planned = planned  # each row's drafts as planned (placeholders included)
-        self._request_ids, self._states, self._out = request_ids, states, out
-        self._copy = HostCopy(self.packed, host)
-        self._lock = threading.Lock()
-        self.resolved = False
+        self._states = states
 
-    def resolve(self) -> None:
-        with self._lock:
-            if self.resolved:
-                return
-            flat, n, w = self._copy.wait(), self.n, self.width
-            accepted, drafts = flat[n * w : n * (w + 1)], flat[n * (w + 1) :]
-            for i, (rid, st) in enumerate(zip(self._request_ids, self._states)):
-                tokens = flat[i * w : i * w + accepted[i] + 1]
-                st.output_token_ids.extend(tokens)
-                st.num_rejected = self.planned[i] - accepted[i]
-                st.next_drafts = drafts[i::n]
-                self._out.sampled[rid] = tokens
-                self._out.draft_token_ids[rid] = st.next_drafts
-            self.resolved = True
+    def _apply(self, values: list[int]) -> None:
+        n, w = self.n, self.width
+        accepted, drafts = values[n * w : n * (w + 1)], values[n * (w + 1) :]
+        for i, (rid, st) in enumerate(zip(self._request_ids, self._states)):
+            tokens = values[i * w : i * w + accepted[i] + 1]
+            st.output_token_ids.extend(tokens)
+            st.num_rejected = self.planned[i] - accepted[i]
+            st.next_drafts = drafts[i::n]
+            self._out.sampled[rid] = tokens
+            self._out.draft_token_ids[rid] = st.next_drafts
 
 
 class PinnedRing:
@@ -118,7 +132,7 @@ class PinnedRing:
 
     def __init__(self, size: int = 4) -> None:
         self._buffers: list[torch.Tensor | None] = [None] * size
-        self._users: list[DeferredTokens | None] = [None] * size
+        self._users: list[Deferred | None] = [None] * size
         self._next = 0
 
     def take(self, numel: int, pin: bool) -> tuple[int, torch.Tensor]:
@@ -133,5 +147,5 @@ class PinnedRing:
             self._buffers[i] = buf
         return i, buf
 
-    def lend(self, i: int, user: DeferredTokens) -> None:
+    def lend(self, i: int, user: Deferred) -> None:
         self._users[i] = user

@@ -19,11 +19,11 @@ from atom.engine.scheduler_output import PLACEHOLDER, NewRequestData, RunnerOutp
 from atom.forward_context import ForwardContext, build_attention_metadata, set_forward_context, upload
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.models.loader import load_model
+from atom.ops.cuda.fused import INPUT_IDS, pack_verification
 from atom.sampling_params import SamplingParams
 from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
-from atom.ops.cuda.fused import INPUT_IDS, pack_verification
 from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_decode_graphs
-from atom.worker.deferred import DeferredTokens, DeferredVerification, HostCopy, PinnedRing
+from atom.worker.deferred import Deferred, DeferredTokens, DeferredVerification, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, TokenHistories, make_drafter
 from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, verify_rows
@@ -121,7 +121,7 @@ class ModelRunner:
         # before their outcome reaches the host (``_verification_chains``; with async scheduling)
         self.can_defer_verification = bool(config.kv_transfer_config is None and self.drafter is not None
                                            and self.drafter.drafts_behind_graphs)
-        self._deferred: list[DeferredTokens | DeferredVerification] = []
+        self._deferred: list[Deferred] = []
         self.num_deferred_steps = 0  # steps that returned before their tokens reached the host
         self.num_rows_settled_on_device = 0  # rows planned after a deferred verification, filled in from it
         self._ring = PinnedRing()  # host landing buffers for sampled ids

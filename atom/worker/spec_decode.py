@@ -70,9 +70,10 @@ def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
     counts = [len(d) for d in drafts]
     k = max(counts, default=0)
     firsts = list(accumulate((1 + c for c in counts), initial=0))  # each row's first logits row
-    # [n, k + 1] each column's logits row (columns past a row's drafts repeat its last), [n] draft counts, and
-    # either [n, k] the drafts (0 past them) and [logits rows] the draft each checks (-1 at the bonus rows), or
-    # where ``proposed`` has the drafts, [logits rows] where each row's check is in them padded: one upload
+    # One upload: [n, k + 1] each column's logits row (columns past a row's drafts repeat its last), [n] draft
+    # counts, then [n, k] the drafts (0 past them) and [logits rows] the draft each checks (-1 at the bonus
+    # rows); or, where ``proposed`` brings the drafts, [logits rows] where each one's check sits in them padded
+    # with a -1 column
     at_rows = (f + min(j, c) for f, c in zip(firsts, counts) for j in range(k + 1))
     checked = None
     if proposed is None:
