@@ -106,6 +106,24 @@ def test_overlap_verifies_rows_planned_while_the_step_before_ran(kimi_mtp_ckpt, 
                 assert g_entry[token] == pytest.approx(value, abs=1e-5)
 
 
+def test_overlap_runs_rows_to_max_model_len(kimi_mtp_ckpt, make_llm):
+    """Rows that end at max_model_len (no max_tokens), with drafts accepted 0 .. k at a time: with overlap no row
+    is planned past it (the rows near it wait for their step in flight), and the tokens are plain decoding's."""
+    k, limit = 3, 40
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    want = make_llm(kimi_mtp_ckpt, max_model_len=limit).generate(_inputs(), params)
+    runs = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, want)]
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    llm = _history_drafted(make_llm(kimi_mtp_ckpt, max_model_len=limit, async_scheduling=True,
+                                    speculative_config=spec), k, runs)  # fmt: skip
+    got = llm.generate(_inputs(), params)
+    assert _tokens(got) == _tokens(want)
+    assert all(len(p) + len(o.outputs[0].token_ids) == limit and o.outputs[0].finish_reason == "length"
+               for p, o in zip(PROMPTS, got))  # fmt: skip
+    sched = llm.engine.scheduler
+    assert sched.num_rows_after_inflight > 10 and sched.num_accepted_tokens > 20
+
+
 def test_rows_with_penalties_and_logprobs_match_plain_decoding(kimi_mtp_ckpt, make_llm):
     """Greedy rows with logprobs and penalties verify by verify_rows, with the plain argmax rows beside them: the
     tokens are plain decoding's, and so are the logprobs of each emitted token (from its verification position)."""
