@@ -16,10 +16,10 @@ import torch
 from atom import LLM, SamplingParams
 from atom.engine.scheduler_output import ScheduledRequest
 from atom.worker.drafters import DraftContext, TokenHistories
-from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS
+from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, leading_matches
 from atom.worker.cuda_graph import DecodeOutput, fill_decode_buffers
 from atom.worker.drafters.mtp_graphs import MTPGraphs
-from atom.worker.spec_decode import accept_greedy, leading_matches
+from atom.worker.spec_decode import accept_greedy
 from tests import checkpoints
 from tests.test_cuda_graph_buffers import EagerDecodeGraphs
 

@@ -109,14 +109,6 @@ def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
     return Verdict(accepted, final, targets)
 
 
-def leading_matches(inputs: Tensor, targets: Tensor, num_drafts: Tensor) -> Tensor:
-    """Per row of verification columns ``[t, d1 .. dk]`` ([n, 1 + k] ``inputs``): how many of its own
-    ``num_drafts`` drafts lead in a run equal to the ``targets`` of the columns before them (a greedy row's
-    argmax, a sampled row's ``Verdict.targets``): its accepted drafts. [n] int64."""
-    own = torch.arange(inputs.shape[1] - 1, device=inputs.device) < num_drafts.unsqueeze(1)
-    return ((inputs[:, 1:] == targets[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
-
-
 def _draws(shape: torch.Size, firsts: list[int], generators: list[torch.Generator | None], device) -> Tensor:
     """[logits rows, vocab + 1] Exp(1): request i's rows firsts[i]:firsts[i + 1] from its generator (one call),
     the others' from the default generator."""

@@ -405,6 +405,14 @@ def advance_decode(rows: torch.Tensor, tables: torch.Tensor, next_ids: torch.Ten
 # -- speculation with overlap: a verification's outcome, and the rows planned while it ran ------------------------
 
 
+def leading_matches(inputs: torch.Tensor, targets: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """Per row of verification columns ``[t, d1 .. dk]`` ([n, 1 + k] ``inputs``): how many of its own
+    ``num_drafts`` drafts lead in a run equal to the ``targets`` of the columns before them (a greedy row's
+    argmax, a sampled row's ``Verdict.targets``): its accepted drafts. [n] int64."""
+    own = torch.arange(inputs.shape[1] - 1, device=inputs.device) < num_drafts.unsqueeze(1)
+    return ((inputs[:, 1:] == targets[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
+
+
 def pack_verification_ref(rows: torch.Tensor, targets: torch.Tensor, drafts: torch.Tensor, width: int) -> torch.Tensor:
     """targets [n, width] | accepted [n] | drafts [k, n] in one int64 tensor. ``rows``: the step's decode buffers
     [7, S] (row r's tokens in columns r * width ..); ``targets`` [n * width]; ``drafts`` [k, n] (any strides). A
@@ -412,10 +420,8 @@ def pack_verification_ref(rows: torch.Tensor, targets: torch.Tensor, drafts: tor
     the targets of the columns before them."""
     n = targets.numel() // width
     inputs, lens = rows[INPUT_IDS, : n * width].view(n, width), rows[SEQ_LENS, : n * width].view(n, width)
-    verified = targets.view(n, width)
-    own = lens[:, 1:] > 0
-    accepted = ((inputs[:, 1:] == verified[:, :-1]) & own).long().cumprod(dim=1).sum(dim=1)
-    return torch.cat((verified.flatten(), accepted, drafts.flatten()))
+    accepted = leading_matches(inputs, targets.view(n, width), (lens > 0).sum(dim=1) - 1)
+    return torch.cat((targets.flatten(), accepted, drafts.flatten()))
 
 
 def pack_verification(rows: torch.Tensor, targets: torch.Tensor, drafts: torch.Tensor, width: int) -> torch.Tensor:

@@ -55,9 +55,8 @@ import logging
 import torch
 
 from atom.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING
+from atom.ops.cuda.fused import INPUT_IDS, POSITIONS, SEQ_LENS, SLOT_MAPPING, leading_matches
 from atom.worker.cuda_graph import DecodeGraphs, DecodeOutput, as_index, capture_graph, fill_decode_buffers
-from atom.worker.spec_decode import leading_matches
 
 logger = logging.getLogger(__name__)
 
