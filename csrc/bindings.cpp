@@ -342,6 +342,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("packed"), py::arg("n_prev"), py::arg("width"), py::arg("block_size"), py::arg("stream"));
 
   m.def(
+      "accept_drafts",
+      [](uintptr_t tokens, uintptr_t probs, uintptr_t draws, int64_t draws_stride, uintptr_t at, uintptr_t proposed,
+         int64_t proposed_stride, uintptr_t num_drafts, int64_t n, int64_t k, uintptr_t out, uintptr_t stream) {
+        check(atom::accept_drafts(tokens, probs, draws, draws_stride, at, proposed, proposed_stride, num_drafts, n, k,
+                                  out, stream));
+      },
+      "each verified row's accepted drafts, next token and targets", py::arg("tokens"), py::arg("probs"),
+      py::arg("draws"), py::arg("draws_stride"), py::arg("at"), py::arg("proposed"), py::arg("proposed_stride"),
+      py::arg("num_drafts"), py::arg("n"), py::arg("k"), py::arg("out"), py::arg("stream"));
+
+  m.def(
       "moe_route",
       [](uintptr_t logits, int64_t logits_stride, uintptr_t bias, int64_t tokens, int64_t experts, int64_t top_k,
          bool renormalize, double scale, uintptr_t ids, uintptr_t weights, uintptr_t stream) {

@@ -17,6 +17,7 @@
 //   advance_decode  the CUDA-graph decode buffers moved one step on (multi-step decoding)
 //   pack_verification  a verification step's outcome in one tensor: each row's targets, accepted count, next drafts
 //   settle_verification  verification rows planned while the step before ran, made right from its outcome
+//   accept_drafts  each verified row's accepted drafts, its next token and its targets, from the checks of its drafts
 #include <type_traits>
 
 #include "kernel_common.h"
@@ -818,6 +819,33 @@ __global__ void settle_verification_kernel(int64_t* rows, int64_t row_stride, co
   }
 }
 
+// Row r's drafts (proposed[r, :num_drafts[r]]) checked in turn: draft j against the logits row at[r, j], where it
+// holds if that row's token is the draft (probs == nullptr: greedy), else if u < p(draft) for u = exp(-E) of that
+// row's last draw. out: accepted [n] | final [n] (the token of the first row not accepted) | targets [n, k + 1]
+// (the accepted drafts, then final repeated).
+__global__ void accept_drafts_kernel(const int64_t* tokens, const float* probs, const float* draws,
+                                     int64_t draws_stride, const int64_t* at, const int64_t* proposed,
+                                     int64_t proposed_stride, const int64_t* num_drafts, int64_t n, int64_t k,
+                                     int64_t* out) {
+  pdl_enter();
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r >= n) return;
+  const int64_t* row_at = at + r * (k + 1);
+  const int64_t* drafts = proposed + r * proposed_stride;
+  const int64_t own = num_drafts[r] < k ? num_drafts[r] : k;
+  int64_t accepted = 0;
+  for (; accepted < own; ++accepted) {
+    const int64_t row = row_at[accepted];
+    const bool holds = probs == nullptr ? tokens[row] == drafts[accepted]
+                                        : expf(-draws[row * draws_stride]) < probs[row];
+    if (!holds) break;
+  }
+  const int64_t last = tokens[row_at[accepted]];
+  out[r] = accepted;
+  out[n + r] = last;
+  for (int64_t j = 0; j <= k; ++j) out[2 * n + r * (k + 1) + j] = j < accepted ? drafts[j] : last;
+}
+
 unsigned elementwise_blocks(int64_t n) {
   const int64_t blocks = ceil_div(n, kThreads);
   return static_cast<unsigned>(blocks < 132 * 16 ? (blocks > 0 ? blocks : 1) : 132 * 16);
@@ -1062,6 +1090,22 @@ const char* settle_verification(uintptr_t rows, int64_t row_stride, uintptr_t ta
                 as_stream(stream), reinterpret_cast<int64_t*>(rows), row_stride,
                 reinterpret_cast<const int64_t*>(tables), table_stride, reinterpret_cast<const int64_t*>(index), m,
                 reinterpret_cast<const int64_t*>(packed), n_prev, width, block_size);
+  return last_launch_error();
+}
+
+
+const char* accept_drafts(uintptr_t tokens, uintptr_t probs, uintptr_t draws, int64_t draws_stride, uintptr_t at,
+                          uintptr_t proposed, int64_t proposed_stride, uintptr_t num_drafts, int64_t n, int64_t k,
+                          uintptr_t out, uintptr_t stream) {
+  if (n < 0 || k < 0) return "accept_drafts: needs n >= 0 and k >= 0";
+  if ((probs == 0) != (draws == 0)) return "accept_drafts: probs and draws come together (sampled) or not at all";
+  if (k > 0 && proposed_stride < k) return "accept_drafts: proposed_stride < k";
+  if (n == 0) return nullptr;
+  launch_kernel(accept_drafts_kernel, static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, as_stream(stream),
+                reinterpret_cast<const int64_t*>(tokens), reinterpret_cast<const float*>(probs),
+                reinterpret_cast<const float*>(draws), draws_stride, reinterpret_cast<const int64_t*>(at),
+                reinterpret_cast<const int64_t*>(proposed), proposed_stride,
+                reinterpret_cast<const int64_t*>(num_drafts), n, k, reinterpret_cast<int64_t*>(out));
   return last_launch_error();
 }
 

@@ -323,6 +323,19 @@ const char* settle_verification(uintptr_t rows, int64_t row_stride, uintptr_t ta
                                 uintptr_t index, int64_t m, uintptr_t packed, int64_t n_prev, int64_t width,
                                 int64_t block_size, uintptr_t stream);
 
+// accept_drafts: speculative verification of n rows of at most k drafts. Row
+// r's draft j (j < num_drafts[r], proposed int64 [n, proposed_stride]) checks
+// logits row at[r, j] (at int64 [n, k + 1]; at[r, a] for a = the accepted
+// count is the row whose token comes next): it holds if tokens[row] equals it
+// (probs == 0: greedy), else if exp(-draws[row * draws_stride]) < probs[row]
+// (fp32 probabilities of each row's draft, and each row's last Exp(1) draw).
+// out int64 [2n + n (k + 1)]: accepted [n] | final [n] | targets [n, k + 1]
+// (the accepted drafts, then final repeated).
+const char* accept_drafts(uintptr_t tokens, uintptr_t probs, uintptr_t draws, int64_t draws_stride, uintptr_t at,
+                          uintptr_t proposed, int64_t proposed_stride, uintptr_t num_drafts, int64_t n, int64_t k,
+                          uintptr_t out, uintptr_t stream);
+
+
 // moe_combine: out [tokens, dim] = round(sum_j weights[t, j] * y[pos[t * top_k
 // + j]]) summed in fp32 in pick order, plus addend [tokens, dim] (0 = none)
 // rounded as a separate add; y [pairs, dim], out and addend `dtype`,

@@ -382,6 +382,38 @@ def test_settle_verification(m, n_prev, width, block_size):
     assert torch.equal(got_rows.cpu(), rows) and torch.equal(got_tables.cpu(), tables)
 
 
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (64, 4), (300, 7)])
+def test_accept_drafts(n, k, sampled):
+    """Each row's accepted drafts, next token and targets: rows of 0 .. k own drafts (junk past them), each
+    accepted count from 0 to its own drafts, drafts in a wider tensor and draws a column of one; exactly as the
+    reference on the same device (the same exp)."""
+    gen = torch.Generator().manual_seed(n * 10 + k)
+    counts = torch.arange(n) % (k + 1)
+    runs = (torch.rand(n, generator=gen) * (counts + 1)).long()  # drafts that hold before the first that fails
+    firsts = torch.cat((torch.zeros(1, dtype=torch.long), (counts + 1).cumsum(0)))
+    rows = int(firsts[-1])
+    at = firsts[:-1].unsqueeze(1) + torch.minimum(torch.arange(k + 1), counts.unsqueeze(1))
+    proposed = torch.randint(0, 6, (n, k + 2), generator=gen)  # few ids: junk drafts equal the tokens often too
+    tokens = torch.randint(0, 6, (rows,), generator=gen)
+    probs = torch.rand(rows, generator=gen)
+    draws = torch.empty(rows, 9).exponential_(generator=gen).clamp_min(1e-3)
+    for r in range(n):
+        for j in range(int(runs[r])):
+            tokens[at[r, j]], probs[at[r, j]] = proposed[r, j], 1.0
+        if runs[r] < counts[r]:  # the check after the run fails
+            row = at[r, runs[r]]
+            tokens[row] = proposed[r, runs[r]] + 1
+            probs[row] = 0.0
+    args = [t.cuda() for t in (tokens, at, proposed[:, :k], counts)]
+    extra = [probs.cuda(), draws.cuda()[:, -1]] if sampled else []
+    _poison_allocator()
+    got = fused.accept_drafts(*args, *extra)
+    want = fused.accept_drafts_ref(*args, *extra)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:n].cpu(), runs)  # the runs built above, so every count from 0 to k comes
+
 def test_router_logits_token_alone_or_in_a_batch_same_bits():
     """A token's logits do not depend on the tokens launched with it (its sums' order depends on the shapes)."""
     x, w = torch.randn(11, 2304).to(torch.bfloat16).cuda(), (torch.randn(256, 2304) * 2304**-0.5).cuda()

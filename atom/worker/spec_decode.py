@@ -35,6 +35,7 @@ from torch import Tensor
 
 from atom.forward_context import upload
 from atom.ops.cuda import sample_residual
+from atom.ops.cuda.fused import accept_drafts
 from atom.ops.sampling import filtered_probs
 from atom.worker.sampler import SamplingBatch, _top_logprobs, _trim, apply_penalties
 
@@ -82,30 +83,23 @@ def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
         proposed = packed[n * (k + 2) : n * (2 * k + 2)].view(n, k)
         checked = packed[n * (2 * k + 2) :]
     else:
-        packed = upload([*at_rows, *counts, *(i * (k + 1) + j for i, c in enumerate(counts) for j in range(c + 1))],
-                        torch.long, device)  # fmt: skip
+        packed = upload([*at_rows, *counts, *(i * (k + 1) + (j if j < c else k) for i, c in enumerate(counts)
+                                              for j in range(c + 1))], torch.long, device)  # fmt: skip
         proposed = proposed[:, :k]
     at = packed[: n * (k + 1)].view(n, k + 1)
     num_drafts = packed[n * (k + 1) : n * (k + 2)]
-    if checked is None:  # row i's own drafts, then -1 (its bonus row), its logits rows back to back
-        columns = torch.arange(k + 1, device=device)
-        padded = torch.nn.functional.pad(proposed, (0, 1), value=-1)
-        checked = torch.where(columns < num_drafts.unsqueeze(1), padded, -1).flatten()[packed[n * (k + 2) :]]
-    own = torch.arange(k, device=device) < num_drafts.unsqueeze(1)  # [n, k]
     processed = apply_penalties(logits, batch) if batch.any_penalties else logits
     if batch.all_greedy:  # each logits row's token is its argmax, and a draft is accepted where it is that
-        tokens = processed.argmax(dim=-1)
-        accept = proposed == tokens[at[:, :k]]
+        outcome = accept_drafts(processed.argmax(dim=-1), at, proposed, num_drafts)
     else:
+        if checked is None:  # row i's own drafts, then -1 (its bonus row), its logits rows back to back
+            checked = torch.nn.functional.pad(proposed, (0, 1), value=-1).flatten()[packed[n * (k + 2) :]]
         draws = _draws(logits.shape, firsts, generators, device)
         tokens, draft_probs = sample_residual(processed, draws[:, :-1], batch.temperature, batch.top_k, batch.top_p,
                                               batch.min_p, checked, batch.any_top_k_top_p, batch.any_min_p)
-        accept = (torch.exp(-draws[:, -1]) < draft_probs)[at[:, :k]]  # u < p(d), u = exp(-E) ~ U(0, 1]
-    accepted = (accept & own).long().cumprod(dim=1).sum(dim=1)
-    final = tokens[at.gather(1, accepted.unsqueeze(1)).squeeze(1)]
-    column = torch.arange(k + 1, device=device)
-    targets = torch.where(column < accepted.unsqueeze(1), torch.nn.functional.pad(proposed, (0, 1)),
-                          final.unsqueeze(1))  # fmt: skip
+        outcome = accept_drafts(tokens, at, proposed, num_drafts, draft_probs, draws[:, -1])  # u = exp(-E) ~ U(0, 1]
+    accepted, final = outcome[:n], outcome[n : 2 * n]
+    targets = outcome[2 * n :].view(n, k + 1)
     return Verdict(accepted, final, targets)
 
 

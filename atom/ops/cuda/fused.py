@@ -19,6 +19,7 @@ so both paths round to the model dtype at the same points.
     advance_decode  multi-step decoding: the CUDA-graph decode buffers one step on
     pack_verification, settle_verification  speculation with overlap: a verification step's outcome in one
                   tensor, and the next step's rows planned meanwhile made right from it
+    accept_drafts each verified row's accepted drafts, next token and targets from its drafts' checks
 """
 
 from __future__ import annotations
@@ -471,3 +472,40 @@ def settle_verification(rows: torch.Tensor, tables: torch.Tensor, index: torch.T
     C().settle_verification(rows.data_ptr(), rows.stride(0), tables.data_ptr(), tables.stride(0), index.data_ptr(),
                             index.numel() // 3, packed.data_ptr(), n_prev, width, block_size,
                             stream_of(rows.device))  # fmt: skip
+
+
+def accept_drafts_ref(tokens: torch.Tensor, at: torch.Tensor, proposed: torch.Tensor, num_drafts: torch.Tensor,
+                      probs: torch.Tensor | None = None, draws: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The acceptance of n verified rows of at most k drafts: row r's draft j (``proposed`` [n, k], j <
+    ``num_drafts[r]``) checks logits row ``at[r, j]`` (``at`` [n, k + 1]); it holds where that row's token
+    (``tokens`` [rows]) is the draft (greedy: ``probs`` None), else where u < p(draft) for u = exp(-E), E the row's
+    last Exp(1) draw (``draws`` [rows]) and p ``probs`` [rows]. int64 accepted [n] | final [n] (the token of row
+    ``at[r, accepted]``) | targets [n, k + 1] (the accepted drafts, then final repeated) in one tensor."""
+    n, k = proposed.shape
+    checks = at[:, :k]
+    holds = proposed == tokens[checks] if probs is None else (torch.exp(-draws) < probs)[checks]
+    own = torch.arange(k, device=at.device) < num_drafts.unsqueeze(1)
+    accepted = (holds & own).long().cumprod(dim=1).sum(dim=1)
+    final = tokens[at.gather(1, accepted.unsqueeze(1)).squeeze(1)]
+    column = torch.arange(k + 1, device=at.device)
+    targets = torch.where(column < accepted.unsqueeze(1), F.pad(proposed, (0, 1)), final.unsqueeze(1))
+    return torch.cat((accepted, final, targets.flatten()))
+
+
+def accept_drafts(tokens: torch.Tensor, at: torch.Tensor, proposed: torch.Tensor, num_drafts: torch.Tensor,
+                  probs: torch.Tensor | None = None, draws: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """One kernel on a GPU (the reference is ~15 small ones). ``draws`` may be a column of a wider tensor."""
+    n, k = proposed.shape
+    sampled = probs is not None
+    if (not kernels_apply(tokens, at, proposed, num_drafts, probs, draws)
+            or not tokens.is_contiguous() or not at.is_contiguous() or not num_drafts.is_contiguous()
+            or (k > 0 and proposed.stride(1) != 1)
+            or not tokens.dtype == at.dtype == proposed.dtype == num_drafts.dtype == torch.int64
+            or (sampled and (not probs.is_contiguous() or not probs.dtype == draws.dtype == torch.float32))):  # fmt: skip
+        return accept_drafts_ref(tokens, at, proposed, num_drafts, probs, draws)
+    out = torch.empty(n * (k + 3), dtype=torch.long, device=tokens.device)
+    C().accept_drafts(tokens.data_ptr(), probs.data_ptr() if sampled else 0, draws.data_ptr() if sampled else 0,
+                      draws.stride(0) if sampled else 0, at.data_ptr(), proposed.data_ptr(),
+                      proposed.stride(0) if k > 0 else 0, num_drafts.data_ptr(), n, k, out.data_ptr(),
+                      stream_of(tokens.device))  # fmt: skip
+    return out

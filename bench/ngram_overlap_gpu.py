@@ -1,0 +1,100 @@
+"""N-gram speculation on the GPU, one step at a time against overlap (async scheduling).
+
+    python bench/ngram_overlap_gpu.py --batches 1,16,64 --num-drafts 3
+    python bench/ngram_overlap_gpu.py --batches 1,16,64 --temperature 0.8 --top-p 0.95 --seeded
+
+bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model (bf16). Each prompt
+is a random run of tokens said twice, so the n-gram drafter (prompt lookup)
+finds matches in it, and greedy decoding on random weights soon repeats itself,
+which the drafter then proposes. One engine with n-gram speculation decodes in
+two ways, in turns whose order alternates with the batch: "one step" runs a
+step at a time (``--no-async-scheduling``, the default with n-gram drafting),
+"overlap" plans each row's next verification while its step runs and fills it
+in on the host (``ModelRunner._settle``) from that step's accepted count and
+the drafts proposed after it. A second engine decodes without speculation
+(decode graphs, overlap) for scale.
+
+Per batch: decode tok/s as in decode_gpu.py (batch * N / (t(1 + N new tokens)
+- t(1 new token)), median of three), the drafts proposed and the share
+accepted, and "differ": the requests whose tokens differ between the two ways (greedy, or
+seeded: they must not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--num-drafts", type=int, default=3)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (a random run of half that, twice)")
+    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seeded", action="store_true", help="each request with a seed of its own")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/ngram_overlap_gpu.py needs a CUDA GPU")
+
+    from atom import LLM, SamplingParams
+    from bench.decode_gpu import make_model, timed
+
+    make_model(args.ckpt)
+    torch.cuda.empty_cache()
+    k, n_new, half = args.num_drafts, args.output_len, args.input_len // 2
+    gen = torch.Generator().manual_seed(0)
+    modes = ("one step", "overlap")
+    sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
+    print(f"device: {torch.cuda.get_device_name()}; bf16; n-gram k = {k}; {2 * half} prompt + {n_new} new tokens; "
+          f"{sampling if args.temperature else 'greedy'}")
+    print(f"{'batch':>5} | {'plain':>8} {'one step':>8} {'overlap':>8} tok/s | overlap/one step | tokens/verif | "
+          "differ")
+    for i, batch in enumerate(int(b) for b in args.batches.split(",")):
+        runs = torch.randint(3, 32000, (batch, half), generator=gen).tolist()
+        inputs = [{"prompt_token_ids": run + run} for run in runs]
+        kw = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=2 * half + n_new + 2 * k + 8,
+                  max_num_batched_tokens=max(2048, batch * 2 * half), enable_prefix_caching=False,
+                  kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
+        plain = LLM(args.ckpt, **kw)
+        spec = LLM(args.ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
+        params = [[SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=n,
+                                  seed=1000 + j if args.seeded else None) for j in range(batch)]
+                  for n in (1, 1 + n_new)]  # fmt: skip
+        outputs = {}
+
+        def tps(llm, key=None) -> float:
+            t1 = sorted(timed(lambda: llm.generate(inputs, params[0], use_tqdm=False)) for _ in range(3))[1]
+            times = []
+            for _ in range(3):
+                times.append(timed(lambda: outputs.__setitem__(key, llm.generate(inputs, params[1], use_tqdm=False))))
+            return batch * n_new / (sorted(times)[1] - t1)
+
+        base = tps(plain)
+        rate, drafted = {}, {}
+        sched = spec.engine.scheduler
+        for mode in modes[i % 2 :] + modes[: i % 2]:
+            object.__setattr__(spec.config, "async_scheduling", mode == "overlap")  # (the engine reads it per call)
+            drafts0, accepted0 = sched.num_draft_tokens, sched.num_accepted_tokens
+            rate[mode] = tps(spec, mode)
+            proposed = sched.num_draft_tokens - drafts0
+            drafted[mode] = f"{proposed} ({(sched.num_accepted_tokens - accepted0) / max(proposed, 1):.0%})"
+        differ = sum(a.outputs[0].token_ids != b.outputs[0].token_ids
+                     for a, b in zip(outputs["one step"], outputs["overlap"]))  # fmt: skip
+        print(f"{batch:>5} | {base:>8.0f} {rate['one step']:>8.0f} {rate['overlap']:>8.0f}       | "
+              f"{rate['overlap'] / rate['one step']:>16.2f} | {drafted['one step']} / {drafted['overlap']}"
+              f" | {differ}", flush=True)  # fmt: skip
+        plain = spec = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
