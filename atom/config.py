@@ -75,6 +75,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'mtp' or 'ngram'")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min must be >= 1 and <= prompt_lookup_max; got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
 
 
 @dataclass(frozen=True)

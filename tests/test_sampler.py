@@ -286,18 +286,19 @@ def test_penalties_over_a_batch_of_mixed_rows_match_each_row_alone():
         assert changed <= seen and (changed or not p.has_penalties), row
 
 
-def test_a_requests_output_array_follows_its_token_list():
-    """The runner converts only the tokens appended since the last call; arrays handed out before stay as they
-    were while the list grows past the buffer."""
+def test_a_requests_token_array_follows_its_token_lists():
+    """Prompt and outputs as one array (what the penalties count, what the n-gram drafter searches): the runner
+    converts only the tokens appended since the last call; arrays handed out before stay as they were while the
+    list grows past the buffer."""
     from atom.worker.model_runner import CachedRequestState
 
     state = CachedRequestState([1, 2], SamplingParams(), None, [4, 5])
     handed = []
     for step in range(60):
         state.output_token_ids.extend(range(step % 7))
-        got = state.output_array()
-        assert got.dtype == np.int64 and got.tolist() == state.output_token_ids
-        handed.append((got, list(state.output_token_ids)))
+        got = state.token_array()
+        assert got.dtype == np.int64 and got.tolist() == [1, 2, *state.output_token_ids]
+        handed.append((got, [1, 2, *state.output_token_ids]))
     assert len(state.output_token_ids) > 128  # grown more than once
     assert all(array.tolist() == tokens for array, tokens in handed)
 

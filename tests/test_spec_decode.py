@@ -3,6 +3,7 @@ exercised deterministically, and rejection sampling keeps the target distributio
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -543,4 +544,12 @@ def test_ngram_lookup_finds_the_most_recent_longest_match():
         vocab = (2, 3, 5, 40)[trial % 4]
         tokens = torch.randint(0, vocab, (int(torch.randint(1, 80, (), generator=gen)),), generator=gen).tolist()
         for k, min_n, max_n in ((3, 1, 3), (4, 2, 4), (1, 1, 1), (2, 3, 5)):
-            assert NgramDrafter(k, min_n, max_n).lookup(tokens) == _most_recent_continuation(tokens, k, min_n, max_n)
+            want = _most_recent_continuation(tokens, k, min_n, max_n)
+            drafter = NgramDrafter(k, min_n, max_n)
+            assert drafter.lookup(tokens) == want and drafter.lookup(np.asarray(tokens, np.int64)) == want
+
+
+@pytest.mark.parametrize("lookup", [{"prompt_lookup_min": 0}, {"prompt_lookup_min": 3, "prompt_lookup_max": 2}])
+def test_ngram_lookup_lengths_are_checked(lookup):
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, **lookup)

@@ -8,7 +8,6 @@ It never decides policy and never touches scheduler objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from itertools import accumulate
 
 import numpy as np
@@ -55,8 +54,8 @@ class CachedRequestState:
     # with overlap, the seeded generator's state before its newest step: restored where the scheduler
     # throws that step's sample away (a preemption while it ran)
     generator_before: torch.Tensor | None = None
-    _outputs: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
-    _outputs_len: int = 0
+    _tokens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+    _tokens_len: int = 0
 
     def penalty_tokens(self) -> tuple[np.ndarray | tuple, np.ndarray | tuple]:
         """What the penalties count (``SamplingBatch``): the prompt (a repetition penalty's) and the outputs, as
@@ -64,24 +63,25 @@ class CachedRequestState:
         p = self.sampling_params
         if not p.has_penalties:
             return (), ()
-        return self.prompt_array if p.repetition_penalty != 1 else (), self.output_array()
+        tokens, prompt = self.token_array(), len(self.prompt_token_ids)
+        return tokens[:prompt] if p.repetition_penalty != 1 else (), tokens[prompt:]
 
-    @cached_property
-    def prompt_array(self) -> np.ndarray:
-        """The prompt as int64, made once: a repetition penalty counts it every step."""
-        return np.asarray(self.prompt_token_ids, np.int64)
-
-    def output_array(self) -> np.ndarray:
-        """``output_token_ids`` as int64, for the penalties to count: only the tokens appended since the last
-        call are converted (converting a long history every step costs milliseconds at batch 64)."""
-        n, have = len(self.output_token_ids), self._outputs_len
-        if n > len(self._outputs):
-            grown = np.empty(max(n, 2 * len(self._outputs), 64), np.int64)
-            grown[:have] = self._outputs[:have]
-            self._outputs = grown
-        self._outputs[have:n] = self.output_token_ids[have:n]
-        self._outputs_len = n
-        return self._outputs[:n]
+    def token_array(self) -> np.ndarray:
+        """The prompt and ``output_token_ids`` as one int64 array, for the penalties to count and the n-gram
+        drafter to search: only the tokens appended since the last call are converted (converting a long
+        history every step costs milliseconds at batch 64)."""
+        prompt = len(self.prompt_token_ids)
+        n, have = prompt + len(self.output_token_ids), self._tokens_len
+        if n > len(self._tokens):
+            grown = np.empty(max(n, 2 * len(self._tokens), 64), np.int64)
+            grown[:have] = self._tokens[:have]
+            self._tokens = grown
+        if have < prompt:
+            self._tokens[have:prompt] = self.prompt_token_ids[have:]
+            have = prompt
+        self._tokens[have:n] = self.output_token_ids[have - prompt :]
+        self._tokens_len = n
+        return self._tokens[:n]
 
     @property
     def plain_greedy(self) -> bool:
@@ -598,7 +598,8 @@ class ModelRunner:
             hidden_states=hidden,
             emitted=out.sampled,
             token_history=TokenHistories({s.request_id: (self.requests[s.request_id].prompt_token_ids,
-                                                         self.requests[s.request_id].output_token_ids) for s in rows}),
+                                                         self.requests[s.request_id].output_token_ids) for s in rows},
+                                         lambda request_id: self.requests[request_id].token_array()),
             caches=self.caches,
             block_size=self.config.block_size,
         )

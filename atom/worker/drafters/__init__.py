@@ -6,19 +6,29 @@ proposes up to ``num_speculative_tokens`` tokens per request for the next step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
 class TokenHistories(Mapping):
-    """Request id -> its prompt + output tokens, joined only for the rows a drafter asks for (MTP reads a few
+    """Request id -> its prompt + outputs, joined only for the rows a drafter asks for (MTP reads a few
     tokens a row: joining every row's whole history each step would cost more than its drafting at long
-    contexts)."""
+    contexts). ``arrays``: request id -> the same as an int64 array, where the runner keeps one up to date
+    (``array``)."""
 
-    def __init__(self, parts: dict[str, tuple[list[int], list[int]]]) -> None:
+    def __init__(self, parts: dict[str, tuple[list[int], list[int]]],
+                 arrays: Callable[[str], np.ndarray] | None = None) -> None:  # fmt: skip
         self._parts = parts  # request id -> (prompt, outputs)
+        self._arrays = arrays
+
+    def array(self, request_id: str) -> np.ndarray:
+        """The history as an int64 array (converted from the lists where no ``arrays`` came)."""
+        if self._arrays is not None:
+            return self._arrays(request_id)
+        return np.asarray(self[request_id], np.int64)
 
     def __getitem__(self, request_id: str) -> list[int]:
         prompt, outputs = self._parts[request_id]
