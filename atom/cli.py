@@ -104,7 +104,8 @@ def _engine_flags() -> argparse.ArgumentParser:
                         "(methods: ngram, mtp)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap: plan and queue the next step while the current one runs (default: on for "
-                        "CUDA devices, off on the CPU and with speculative decoding)")
+                        "CUDA devices, MTP speculation included; off on the CPU and with n-gram drafting, "
+                        "which drafts on the host after each step and ran slower with it)")
     g.add_argument("--num-scheduler-steps", type=int, metavar="K",
                    help="multi-step decoding: when every running request is decoding, run up to K decode "
                         "steps per scheduling round, so scheduling and output handling are paid once per K "
