@@ -475,7 +475,8 @@ def settle_verification(rows: torch.Tensor, tables: torch.Tensor, index: torch.T
 
 
 def accept_drafts_ref(tokens: torch.Tensor, at: torch.Tensor, proposed: torch.Tensor, num_drafts: torch.Tensor,
-                      probs: torch.Tensor | None = None, draws: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      probs: torch.Tensor | None = None,
+                      draws: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The acceptance of n verified rows of at most k drafts: row r's draft j (``proposed`` [n, k], j <
     ``num_drafts[r]``) checks logits row ``at[r, j]`` (``at`` [n, k + 1]); it holds where that row's token
     (``tokens`` [rows]) is the draft (greedy: ``probs`` None), else where u < p(draft) for u = exp(-E), E the row's
@@ -501,7 +502,8 @@ def accept_drafts(tokens: torch.Tensor, at: torch.Tensor, proposed: torch.Tensor
             or not tokens.is_contiguous() or not at.is_contiguous() or not num_drafts.is_contiguous()
             or (k > 0 and proposed.stride(1) != 1)
             or not tokens.dtype == at.dtype == proposed.dtype == num_drafts.dtype == torch.int64
-            or (sampled and (not probs.is_contiguous() or not probs.dtype == draws.dtype == torch.float32))):  # fmt: skip
+            or (sampled and (not probs.is_contiguous()
+                             or not probs.dtype == draws.dtype == torch.float32))):  # fmt: skip
         return accept_drafts_ref(tokens, at, proposed, num_drafts, probs, draws)
     out = torch.empty(n * (k + 3), dtype=torch.long, device=tokens.device)
     C().accept_drafts(tokens.data_ptr(), probs.data_ptr() if sampled else 0, draws.data_ptr() if sampled else 0,
