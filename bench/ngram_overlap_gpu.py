@@ -56,7 +56,7 @@ def main() -> None:
     sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
     print(f"device: {torch.cuda.get_device_name()}; bf16; n-gram k = {k}; {2 * half} prompt + {n_new} new tokens; "
           f"{sampling if args.temperature else 'greedy'}")
-    print(f"{'batch':>5} | {'plain':>8} {'one step':>8} {'overlap':>8} tok/s | overlap/one step | tokens/verif | "
+    print(f"{'batch':>5} | {'plain':>8} {'one step':>8} {'overlap':>8} tok/s | overlap/one step | drafts (accepted) | "
           "differ")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
         runs = torch.randint(3, 32000, (batch, half), generator=gen).tolist()
