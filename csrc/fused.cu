@@ -1093,7 +1093,6 @@ const char* settle_verification(uintptr_t rows, int64_t row_stride, uintptr_t ta
   return last_launch_error();
 }
 
-
 const char* accept_drafts(uintptr_t tokens, uintptr_t probs, uintptr_t draws, int64_t draws_stride, uintptr_t at,
                           uintptr_t proposed, int64_t proposed_stride, uintptr_t num_drafts, int64_t n, int64_t k,
                           uintptr_t out, uintptr_t stream) {

@@ -181,6 +181,26 @@ def test_llama_greedy_unchanged_by_ngram(llama_ckpt, make_llm, overlap):
     assert (sched.num_rows_after_inflight > 0) == overlap
 
 
+
+def test_ngram_rows_with_penalties_and_seeds_same_with_overlap(llama_ckpt, make_llm):
+    """N-gram drafting reads each request's history from the array the penalties count too
+    (``CachedRequestState.token_array``): greedy rows with penalties give plain decoding's tokens, and seeded
+    sampled rows with penalties the same tokens with overlap as without."""
+    penalised = dict(max_tokens=24, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3)
+    params = [SamplingParams(temperature=0.0, **penalised), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                           ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(temperature=0.8, seed=3, **penalised), GREEDY,
+              SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True)]  # fmt: skip
+    want = _tokens(make_llm(llama_ckpt).generate(_inputs(), params))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    got = []
+    for overlap in (False, True):
+        llm = make_llm(llama_ckpt, speculative_config=spec, async_scheduling=overlap)
+        got.append(_tokens(llm.generate(_inputs(), params)))
+        assert llm.engine.scheduler.num_accepted_tokens > 0 and llm.engine.all_resources_free()
+    assert got[0] == got[1]
+    assert [got[0][i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]  # the greedy rows
+
 def test_plain_greedy_rows_verify_through_one_lm_head(kimi_mtp_ckpt, make_llm):
     """A step's plain greedy rows with drafts are verified from one lm_head call over all their positions (one
     argmax); the rows with a repetition penalty share a second (verify_rows). The tokens are those of plain
