@@ -4,9 +4,11 @@
     python bench/ngram_overlap_gpu.py --batches 1,16,64 --temperature 0.8 --top-p 0.95 --seeded
 
 bench/decode_gpu.py's random 1.3B Kimi-Linear-shaped model (bf16). Each prompt
-is a random run of tokens said twice, so the n-gram drafter (prompt lookup)
-finds matches in it, and greedy decoding on random weights soon repeats itself,
-which the drafter then proposes. One engine with n-gram speculation decodes in
+is a random run of tokens said twice, which prompt lookup would match, were the
+model to copy it. On random weights it does not, nor does it repeat itself
+within these lengths: the drafter proposes next to nothing (GPU_NOTES.md,
+session 46), so the figures are what n-gram drafting costs a step, not what
+it gains (bench/spec_decode_gpu.py measures acceptance). One engine with n-gram speculation decodes in
 two ways, in turns whose order alternates with the batch: "one step" runs a
 step at a time (``--no-async-scheduling``, the default with n-gram drafting),
 "overlap" plans each row's next verification while its step runs and fills it
@@ -16,8 +18,8 @@ the drafts proposed after it. A second engine decodes without speculation
 
 Per batch: decode tok/s as in decode_gpu.py (batch * N / (t(1 + N new tokens)
 - t(1 new token)), median of three), the drafts proposed and the share
-accepted, and "differ": the requests whose tokens differ between the two ways (greedy, or
-seeded: they must not).
+accepted, and "differ": the requests whose tokens differ between the two ways
+(greedy, or seeded: they must not).
 """
 
 from __future__ import annotations
