@@ -74,8 +74,9 @@ def add_mtp_layer(src: str, dst: str, seed: int = 1) -> str:
     return dst
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def speculation_args(description: str) -> argparse.Namespace:
+    """The options of the speculation benches (this one and bench/ngram_overlap_gpu.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--num-drafts", type=int, default=3)
     p.add_argument("--output-len", type=int, default=128)
@@ -84,11 +85,38 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seeded", action="store_true", help="each request with a seed of its own")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def engine_kwargs(args: argparse.Namespace, batch: int, prompt_len: int) -> dict:
+    """An engine for ``batch`` requests of ``prompt_len`` + ``args.output_len`` tokens, drafting k ahead."""
+    k = args.num_drafts
+    return dict(dtype="bfloat16", device="cuda", max_num_seqs=batch,
+                max_model_len=prompt_len + args.output_len + 2 * k + 8,
+                max_num_batched_tokens=max(2048, batch * prompt_len), enable_prefix_caching=False,
+                kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
+
+
+def request_params(args: argparse.Namespace, batch: int) -> list:
+    """Each request's parameters for 1 new token, then for 1 + ``args.output_len`` (decode_gpu.py's timing)."""
+    from atom import SamplingParams
+
+    return [[SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=n,
+                            seed=1000 + j if args.seeded else None) for j in range(batch)]
+            for n in (1, 1 + args.output_len)]  # fmt: skip
+
+
+def sampling_label(args: argparse.Namespace) -> str:
+    sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
+    return sampling if args.temperature else "greedy"
+
+
+def main() -> None:
+    args = speculation_args(__doc__)
     if not torch.cuda.is_available():
         sys.exit("bench/mtp_drafting_gpu.py needs a CUDA GPU")
 
-    from atom import LLM, SamplingParams
+    from atom import LLM
     from bench.decode_gpu import make_model, timed
 
     make_model(args.ckpt)
@@ -97,18 +125,15 @@ def main() -> None:
     k, n_new = args.num_drafts, args.output_len
     gen = torch.Generator().manual_seed(0)
     modes = ("behind", "overlap", "after", "eager")
-    sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
     print(f"device: {torch.cuda.get_device_name()}; bf16; MTP k = {k}; {args.input_len} prompt + {n_new} new tokens; "
-          f"{sampling if args.temperature else 'greedy'}")
+          f"{sampling_label(args)}")
     print(f"{'batch':>5} | {'plain':>7} " + " ".join(f"{m:>7}" for m in modes) + " tok/s | "
           + " ".join(f"{m:>7}" for m in modes) + " step ms | behind/overlap behind/after behind/eager behind/plain"
           " | tokens/verif")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
         inputs = [{"prompt_token_ids": q} for q in torch.randint(3, 32000, (batch, args.input_len),
                                                                  generator=gen).tolist()]  # fmt: skip
-        kw = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=args.input_len + n_new + 2 * k + 8,
-                  max_num_batched_tokens=max(2048, batch * args.input_len), enable_prefix_caching=False,
-                  kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
+        kw = engine_kwargs(args, batch, args.input_len)
         plain = LLM(args.ckpt, **kw)
         spec = LLM(mtp_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
         runner = spec.engine.runner
@@ -127,9 +152,7 @@ def main() -> None:
             return out
 
         runner.execute_model = timed_execute
-        params = [[SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=n,
-                                  seed=1000 + j if args.seeded else None) for j in range(batch)]
-                  for n in (1, 1 + n_new)]  # fmt: skip
+        params = request_params(args, batch)
 
         def tps(llm) -> float:
             t1 = sorted(timed(lambda: llm.generate(inputs, params[0], use_tqdm=False)) for _ in range(3))[1]

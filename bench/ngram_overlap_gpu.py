@@ -24,7 +24,6 @@ accepted, and "differ": the requests whose tokens differ between the two ways
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -32,22 +31,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.mtp_drafting_gpu import engine_kwargs, request_params, sampling_label, speculation_args  # noqa: E402
+
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--num-drafts", type=int, default=3)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (a random run of half that, twice)")
-    p.add_argument("--ckpt", default="/tmp/atom_kimi_1p3b")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seeded", action="store_true", help="each request with a seed of its own")
-    args = p.parse_args()
+    args = speculation_args(__doc__)
     if not torch.cuda.is_available():
         sys.exit("bench/ngram_overlap_gpu.py needs a CUDA GPU")
 
-    from atom import LLM, SamplingParams
+    from atom import LLM
     from bench.decode_gpu import make_model, timed
 
     make_model(args.ckpt)
@@ -55,22 +47,17 @@ def main() -> None:
     k, n_new, half = args.num_drafts, args.output_len, args.input_len // 2
     gen = torch.Generator().manual_seed(0)
     modes = ("one step", "overlap")
-    sampling = f"temperature {args.temperature}, top-p {args.top_p}{', seeded' if args.seeded else ''}"
     print(f"device: {torch.cuda.get_device_name()}; bf16; n-gram k = {k}; {2 * half} prompt + {n_new} new tokens; "
-          f"{sampling if args.temperature else 'greedy'}")
+          f"{sampling_label(args)}")
     print(f"{'batch':>5} | {'plain':>8} {'one step':>8} {'overlap':>8} tok/s | overlap/one step | drafts (accepted) | "
           "differ")
     for i, batch in enumerate(int(b) for b in args.batches.split(",")):
         runs = torch.randint(3, 32000, (batch, half), generator=gen).tolist()
         inputs = [{"prompt_token_ids": run + run} for run in runs]
-        kw = dict(dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=2 * half + n_new + 2 * k + 8,
-                  max_num_batched_tokens=max(2048, batch * 2 * half), enable_prefix_caching=False,
-                  kv_cache_memory=max(2 << 30, batch * (16 << 20) * (1 + k)))  # fmt: skip
+        kw = engine_kwargs(args, batch, 2 * half)
         plain = LLM(args.ckpt, **kw)
         spec = LLM(args.ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": k}, **kw)
-        params = [[SamplingParams(temperature=args.temperature, top_p=args.top_p, ignore_eos=True, max_tokens=n,
-                                  seed=1000 + j if args.seeded else None) for j in range(batch)]
-                  for n in (1, 1 + n_new)]  # fmt: skip
+        params = request_params(args, batch)
         outputs = {}
 
         def tps(llm, key=None) -> float:
