@@ -3,6 +3,8 @@
     python bench/sampler_gpu.py                           # batch 1, 16, 64; vocab 32000 and 163840
     python bench/sampler_gpu.py --batches 1,64 --vocabs 32000 --calls 200
     python bench/sampler_gpu.py --decode --batches 1,16,64   # the engine's decode, kernel vs torch sampler
+    python bench/sampler_gpu.py --seeded                  # seeded rows' draws: keyed (one launch) vs a generator a row
+    python bench/sampler_gpu.py --decode --seeded         # the engine's decode with seeded requests, the same two
 
 For each sampling setting, a step's sampling work as the model runner does it
 (``SamplingBatch.from_params`` then ``Sampler()``, fp32 logits already on the
@@ -18,6 +20,14 @@ on fixed draws), event-timed over the same number of launches.
 the fused kernel and with the torch sampler in place of it, alternating over
 ``--rounds`` rounds in the same process, for temperature 0.8 with and without
 top-p 0.95.
+
+``--seeded`` compares seeded requests' draws: keyed draws, every seeded row in
+one launch (``sampler.exponential_draws``, what the sampler does), against the
+baseline of a ``torch.Generator`` per request and one ``exponential_`` a row
+(``generator_draws``, how the sampler drew them before). Alone it times the
+draws of a step (host and wall microseconds per call); with ``--decode`` the
+engine decodes requests that each have a seed, with the one and with the other
+in the sampler, alternating in the same process.
 """
 
 from __future__ import annotations
@@ -33,9 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from atom.ops._C_loader import get_C  # noqa: E402
 from atom.ops.cuda import sample_tokens  # noqa: E402
-from atom.ops.sampling import exponential_draws  # noqa: E402
 from atom.sampling_params import SamplingParams  # noqa: E402
-from atom.worker.sampler import Sampler, SamplingBatch  # noqa: E402
+from atom.worker.sampler import Sampler, SamplingBatch, SeedStream, exponential_draws  # noqa: E402
 
 SETTINGS = {
     "temperature 0.8": dict(temperature=0.8),
@@ -71,7 +80,7 @@ def kernel_us(logits: torch.Tensor, params: list[SamplingParams], calls: int) ->
     """GPU microseconds per sample_tokens launch (event-timed, back to back)."""
     rows = len(params)
     batch = SamplingBatch.from_params(params, [None] * rows, [[]] * rows, [[]] * rows, device=logits.device)
-    draws = exponential_draws(logits, [None] * rows)
+    draws = exponential_draws(logits.shape, logits.device, [None] * rows)
     args = (logits, draws, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     for _ in range(5):
         sample_tokens(*args)
@@ -84,7 +93,53 @@ def kernel_us(logits: torch.Tensor, params: list[SamplingParams], calls: int) ->
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def decode_ab(batches: list[int], rounds: int, new_tokens: int = 128, input_len: int = 64) -> None:
+_GENERATORS: dict[int, torch.Generator] = {}  # the baseline's: seed -> its generator
+
+
+def generator_draws(shape, device, streams, firsts=None) -> torch.Tensor:
+    """The baseline for seeded rows: ``exponential_draws`` as the sampler did it before keyed draws, each seeded
+    request with a ``torch.Generator`` of its own and one ``exponential_`` launch over its rows."""
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    if any(stream is None for stream in streams):
+        q.exponential_()
+    for i, stream in enumerate(streams):
+        if stream is not None:
+            generator = _GENERATORS.get(stream.seed)
+            if generator is None:
+                generator = _GENERATORS[stream.seed] = torch.Generator(device).manual_seed(stream.seed)
+            stream.draws += 1
+            first, end = (i, i + 1) if firsts is None else (firsts[i], firsts[i + 1])
+            q[first:end].exponential_(generator=generator)
+    return q
+
+
+def seeded_draws(batches: list[int], vocabs: list[int], calls: int) -> None:
+    """Host and wall microseconds per step's draws, every row seeded: keyed against a generator a row."""
+    print(f"{'draws, every row seeded':<24} {'batch':>5} {'vocab':>6} | {'keyed host':>10} {'wall':>7} | "
+          f"{'per-row host':>12} {'wall':>7} | {'host x':>6} {'wall x':>6}")  # fmt: skip
+    for vocab in vocabs:
+        for batch in batches:
+            got = {}
+            for name, draw in (("keyed", exponential_draws), ("per-row", generator_draws)):
+                streams = [SeedStream(1000 + j) for j in range(batch)]
+                for _ in range(10):
+                    draw((batch, vocab), "cuda", streams)
+                torch.cuda.synchronize()
+                host, start = 0.0, time.perf_counter()
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    draw((batch, vocab), "cuda", streams)
+                    host += time.perf_counter() - t0
+                torch.cuda.synchronize()
+                got[name] = (host / calls * 1e6, (time.perf_counter() - start) / calls * 1e6)
+            (k_host, k_wall), (b_host, b_wall) = got["keyed"], got["per-row"]
+            print(f"{'':<24} {batch:>5} {vocab:>6} | {k_host:>10.1f} {k_wall:>7.1f} | {b_host:>12.1f} "
+                  f"{b_wall:>7.1f} | {b_host / k_host:>6.2f} {b_wall / k_wall:>6.2f}")  # fmt: skip
+
+
+def decode_ab(batches: list[int], rounds: int, seeded: bool, new_tokens: int = 128, input_len: int = 64) -> None:
+    """Decode tok/s through the engine with two samplers alternating: the fused kernel and the torch reference,
+    or (``seeded``) keyed draws and a generator a row."""
     import atom.worker.sampler as sampler_module
     from atom import LLM
     from atom.ops.sampling import sample_ref
@@ -93,9 +148,13 @@ def decode_ab(batches: list[int], rounds: int, new_tokens: int = 128, input_len:
     path = "/tmp/atom_kimi_1p3b"
     make_model(path)
     torch.cuda.empty_cache()
-    samplers = {"kernel": sampler_module.sample_tokens, "torch": sample_ref}
+    if seeded:
+        attr, arms = "exponential_draws", {"keyed": sampler_module.exponential_draws, "per-row": generator_draws}
+    else:
+        attr, arms = "sample_tokens", {"kernel": sampler_module.sample_tokens, "torch": sample_ref}
+    new, base = arms
     gen = torch.Generator().manual_seed(0)
-    print(f"{'setting':<18} {'batch':>5} {'round':>5} | {'kernel tok/s':>12} {'torch tok/s':>11} | {'x':>5}")
+    print(f"{'setting':<18} {'batch':>5} {'round':>5} | {new + ' tok/s':>12} {base + ' tok/s':>13} | {'x':>5}")
     for batch in batches:
         prompts = [{"prompt_token_ids": p} for p in torch.randint(3, 32000, (batch, input_len), generator=gen).tolist()]
         llm = LLM(path, dtype="bfloat16", device="cuda", max_num_seqs=batch, max_model_len=input_len + new_tokens + 8,
@@ -104,7 +163,8 @@ def decode_ab(batches: list[int], rounds: int, new_tokens: int = 128, input_len:
 
             def tps(n_new: int) -> float:
                 def run(n):
-                    params = SamplingParams(temperature=0.8, ignore_eos=True, max_tokens=n, **setting)
+                    params = [SamplingParams(temperature=0.8, ignore_eos=True, max_tokens=n,
+                                             seed=1000 + j if seeded else None, **setting) for j in range(batch)]
                     llm.generate(prompts, params, use_tqdm=False)
 
                 run(1 + n_new)
@@ -114,12 +174,12 @@ def decode_ab(batches: list[int], rounds: int, new_tokens: int = 128, input_len:
 
             for r in range(rounds):
                 got = {}
-                for which in (("kernel", "torch") if r % 2 == 0 else ("torch", "kernel")):
-                    sampler_module.sample_tokens = samplers[which]
+                for which in ((new, base) if r % 2 == 0 else (base, new)):
+                    setattr(sampler_module, attr, arms[which])
                     got[which] = tps(new_tokens)
-                sampler_module.sample_tokens = samplers["kernel"]
-                print(f"{name:<18} {batch:>5} {r + 1:>5} | {got['kernel']:>12.0f} {got['torch']:>11.0f} | "
-                      f"{got['kernel'] / got['torch']:>5.2f}", flush=True)  # fmt: skip
+                setattr(sampler_module, attr, arms[new])
+                print(f"{name:<18} {batch:>5} {r + 1:>5} | {got[new]:>12.0f} {got[base]:>13.0f} | "
+                      f"{got[new] / got[base]:>5.2f}", flush=True)  # fmt: skip
         llm = None  # the engine goes (not del: run() reads the name)
         torch.cuda.empty_cache()
 
@@ -131,18 +191,23 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--decode", action="store_true", help="the engine's decode tok/s, kernel against torch sampler")
     p.add_argument("--rounds", type=int, default=3, help="with --decode: alternating rounds per setting")
+    p.add_argument("--seeded", action="store_true", help="seeded rows: keyed draws against a generator a row")
     args = p.parse_args()
     if not torch.cuda.is_available() or get_C() is None or not hasattr(get_C(), "sample_tokens"):
         sys.exit("bench/sampler_gpu.py needs a CUDA GPU and atom._C built with sample_tokens "
                  "(python setup.py build_ext --inplace)")  # fmt: skip
     print(f"device: {torch.cuda.get_device_name()}")
+    batches, vocabs = [int(b) for b in args.batches.split(",")], [int(v) for v in args.vocabs.split(",")]
     if args.decode:
-        decode_ab([int(b) for b in args.batches.split(",")], args.rounds)
+        decode_ab(batches, args.rounds, args.seeded)
+        return
+    if args.seeded:
+        seeded_draws(batches, vocabs, args.calls)
         return
     print(f"{'setting':<24} {'batch':>5} {'vocab':>6} | {'kernel host':>11} {'wall':>7} | {'torch host':>10} "
           f"{'wall':>7} | {'host x':>6} {'wall x':>6} | {'GPU':>6}")  # fmt: skip
-    for vocab in (int(v) for v in args.vocabs.split(",")):
-        for batch in (int(b) for b in args.batches.split(",")):
+    for vocab in vocabs:
+        for batch in batches:
             logits = (torch.randn(batch, vocab, device="cuda") * 4).bfloat16().float()
             for name, setting in SETTINGS.items():
                 params = [SamplingParams(**setting)] * batch

@@ -438,4 +438,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("logits"), py::arg("logits_stride"), py::arg("draws"), py::arg("draws_stride"), py::arg("temperature"),
       py::arg("top_p"), py::arg("top_k"), py::arg("min_p"), py::arg("out"), py::arg("drafts"), py::arg("draft_probs"),
       py::arg("rows"), py::arg("vocab"), py::arg("stream"));
+
+  m.def(
+      "keyed_draws",
+      [](uintptr_t draws, int64_t stride, uintptr_t rows, uintptr_t keys, int64_t n, int64_t width,
+         uintptr_t stream) { check(atom::keyed_draws(draws, stride, rows, keys, n, width, stream)); },
+      "seeded requests' Exp(1) draws: row rows[j] of draws from keys[j] alone (SplitMix64), every row in one launch",
+      py::arg("draws"), py::arg("stride"), py::arg("rows"), py::arg("keys"), py::arg("n"), py::arg("width"),
+      py::arg("stream"));
 }

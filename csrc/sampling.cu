@@ -22,6 +22,9 @@
 // rejected. Where the draft was the only token kept, the row's token is the draft.
 // The reference's probabilities are normalised and summed in floats, so the
 // two can differ only where a boundary sits within rounding of a threshold.
+// keyed_draws fills seeded requests' rows of the draws, each from its key alone.
+#include <algorithm>
+
 #include "kernel_common.h"
 
 namespace atom {
@@ -361,6 +364,28 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   }
 }
 
+// Keyed Exp(1) draws (seeded requests; atom.ops.sampling.keyed_draws_ref): row rows[j] of draws gets
+// -log(1 - v_i), v_i the top 53 bits of SplitMix64's i-th output from state keys[j], over 2^53. In double, as
+// the reference: the two give the same floats.
+constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ull;
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__global__ void keyed_draws_kernel(float* draws, int64_t stride, const int64_t* rows, const int64_t* keys,
+                                   int64_t width) {
+  pdl_enter();
+  float* out = draws + rows[blockIdx.y] * stride;
+  const uint64_t key = static_cast<uint64_t>(keys[blockIdx.y]);
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < width; i += int64_t{gridDim.x} * blockDim.x) {
+    const uint64_t bits = mix64(key + static_cast<uint64_t>(i + 1) * kGamma);
+    out[i] = static_cast<float>(-log1p(-static_cast<double>(bits >> 11) * 0x1p-53));
+  }
+}
+
 }  // namespace
 
 const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t draws, int64_t draws_stride,
@@ -386,6 +411,19 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
                  static_cast<int>(vocab),
                  index_bits};
   launch_kernel(sample_kernel, static_cast<unsigned>(rows), kThreads, 0, as_stream(stream), p);
+  return last_launch_error();
+}
+
+const char* keyed_draws(uintptr_t draws, int64_t stride, uintptr_t rows, uintptr_t keys, int64_t n, int64_t width,
+                        uintptr_t stream) {
+  if (n < 0 || width < 0) return "keyed_draws: needs n >= 0 and width >= 0";
+  if (n == 0 || width == 0) return nullptr;
+  if (n > 65535) return "keyed_draws: at most 65535 rows a launch";
+  constexpr int threads = 256;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((width + threads - 1) / threads, 64)),
+                  static_cast<unsigned>(n));
+  launch_kernel(keyed_draws_kernel, grid, threads, 0, as_stream(stream), reinterpret_cast<float*>(draws), stride,
+                reinterpret_cast<const int64_t*>(rows), reinterpret_cast<const int64_t*>(keys), width);
   return last_launch_error();
 }
 

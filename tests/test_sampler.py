@@ -8,16 +8,18 @@ from atom.sampling_params import SamplingParams
 from atom.worker.sampler import (
     Sampler,
     SamplingBatch,
+    SeedStream,
     apply_penalties,
     compute_prompt_logprobs,
+    exponential_draws,
 )
 
 
-def make_batch(params, generators=None, prompts=None, outputs=None):
+def make_batch(params, streams=None, prompts=None, outputs=None):
     n = len(params)
     return SamplingBatch.from_params(
         params,
-        generators if generators is not None else [None] * n,
+        streams if streams is not None else [None] * n,
         prompts if prompts is not None else [[] for _ in range(n)],
         outputs if outputs is not None else [[] for _ in range(n)],
     )
@@ -68,7 +70,8 @@ def test_invalid_params_raise(kwargs):
 def test_seeds_at_the_ends_of_the_64_bit_range_are_taken():
     for seed in (-(2**63), 2**63 - 1):
         assert SamplingParams(seed=seed).seed == seed
-        torch.Generator().manual_seed(seed)  # what the runner does with it
+        keys = SeedStream(seed).take(3)  # what the runner does with it
+        assert len(set(keys)) == 3 and all(-(2**63) <= key < 2**63 for key in keys)
 
 
 def test_n_error_names_the_field():
@@ -117,7 +120,7 @@ def test_tiny_temperatures_sample_greedily_in_a_mixed_batch(temperature, device)
     logits = (torch.randn(3, 50, generator=seeded(2)) * 4).to(device)
     params = [SamplingParams(temperature=temperature, seed=1), SamplingParams(temperature=0.7, top_p=0.9),
               SamplingParams(temperature=temperature, min_p=0.1)]
-    batch = SamplingBatch.from_params(params, [torch.Generator(device).manual_seed(1), None, None], [[]] * 3,
+    batch = SamplingBatch.from_params(params, [SeedStream(1), None, None], [[]] * 3,
                                       [[]] * 3, device=device)  # fmt: skip
     assert not batch.all_greedy
     out = Sampler()(logits, batch)
@@ -169,7 +172,7 @@ def test_sample_residual_leaves_the_draft_out_and_gives_its_probability(device):
     filtered distribution, and a token from the rest. Where the draft is the only token kept, the draft; a
     greedy row gives its argmax and 1 or 0; with no draft (-1) the row samples as sample_tokens does."""
     from atom.ops.cuda import sample_residual, sample_tokens
-    from atom.ops.sampling import exponential_draws, filtered_probs
+    from atom.ops.sampling import filtered_probs
 
     vocab = 40
     logits = (torch.randn(1, vocab, generator=seeded(6)) * 2).expand(7, -1).contiguous().to(device)
@@ -188,7 +191,7 @@ def test_sample_residual_leaves_the_draft_out_and_gives_its_probability(device):
     kept = [None, None, set(ranked[:3]) - {last}, None, None, None, None]
     seen = [set() for _ in range(7)]
     for trial in range(200):
-        draws = exponential_draws(logits, [torch.Generator(device).manual_seed(trial)] * 7)
+        draws = exponential_draws(logits.shape, device, [SeedStream(trial)] * 7)
         tokens, draft_probs = sample_residual(logits, draws, *params, drafts)
         torch.testing.assert_close(draft_probs.cpu(), torch.tensor(expected), rtol=1e-5, atol=1e-7)
         tokens = tokens.tolist()
@@ -306,14 +309,47 @@ def test_a_requests_token_array_follows_its_token_lists():
 # ---------------------------------------------------------------- randomness
 
 
-def _run_seeded_steps(step_logits, rows, make_generators):
+def _run_seeded_steps(step_logits, rows, make_streams):
     """Sample len(step_logits) steps; return the token of batch row `rows` index 0 each step."""
     sampler, tokens = Sampler(), []
-    generators = make_generators()
+    streams = make_streams()
     for logits in step_logits:
-        batch = make_batch(rows, generators=generators)
+        batch = make_batch(rows, streams=streams)
         tokens.append(sampler(logits, batch).sampled_token_ids.tolist())
     return tokens
+
+
+def test_keyed_draws_are_splitmix64_and_exponential():
+    """A seeded row's draws: element i of key k is -log(1 - v), v the top 53 bits of SplitMix64's i-th output
+    from state k (computed here with Python ints, exactly), and they are Exp(1): mean, variance and tail."""
+    from scipy.stats import kstest
+
+    from atom.ops.sampling import GAMMA, draw_key, keyed_draws_ref, mix64
+
+    keys = [draw_key(seed, draw, row) for seed, draw, row in [(0, 0, 0), (-(2**63), 5, 3), (2**63 - 1, 1 << 40, 9)]]
+    assert len(set(keys)) == 3
+    draws = keyed_draws_ref(torch.full((4, 5000), -1.0), torch.tensor([3, 0, 2]), torch.tensor(keys))
+    assert (draws[1] == -1).all()  # a row not given stays as it was
+    for row, key in zip((3, 0, 2), keys):
+        for i in (0, 1, 4999):
+            v = (mix64((key + (i + 1) * GAMMA) % 2**64) >> 11) * 2.0**-53
+            assert draws[row, i].item() == np.float32(-math.log1p(-v))
+    many = keyed_draws_ref(torch.empty(8, 100_000), torch.arange(8), torch.tensor(
+        [draw_key(7, d, 0) for d in range(8)])).flatten()  # fmt: skip
+    assert abs(many.mean().item() - 1) < 0.01 and abs(many.var().item() - 1) < 0.02
+    assert kstest(many[:20000].double().numpy(), "expon").pvalue > 1e-3
+
+
+def test_seed_stream_keys_follow_seed_and_draw_and_can_be_wound_back():
+    """The n-th draw's keys depend on the seed and n only: two streams of one seed agree draw for draw, setting
+    ``draws`` back repeats a draw, and other seeds, draws and rows get other keys."""
+    a, b = SeedStream(42), SeedStream(42)
+    first = a.take(3)
+    assert b.take(3) == first and a.draws == 1
+    second = a.take(3)
+    a.draws = 1
+    assert a.take(3) == second
+    assert len({*first, *second, *SeedStream(43).take(3)}) == 9
 
 
 def test_seeded_sampling_is_independent_of_batch():
@@ -326,10 +362,10 @@ def test_seeded_sampling_is_independent_of_batch():
                     for x in alone_logits]
 
     torch.manual_seed(0)
-    alone = _run_seeded_steps(alone_logits, [target], lambda: [seeded(1234)])
+    alone = _run_seeded_steps(alone_logits, [target], lambda: [SeedStream(1234)])
     torch.manual_seed(1)
     mixed = _run_seeded_steps(batch_logits, [others[0], target, others[1]],
-                              lambda: [None, seeded(1234), seeded(7)])
+                              lambda: [None, SeedStream(1234), SeedStream(7)])
     assert [t[0] for t in alone] == [t[1] for t in mixed]
     assert len({t[0] for t in alone}) > 5  # actually random, not collapsed to argmax
 
@@ -353,11 +389,11 @@ def test_unused_filters_are_skipped_without_changing_a_token(filters):
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     params = [SamplingParams(temperature=0.7, seed=i, **(filters if i % 2 else {})) for i in range(6)]
-    batch = make_batch(params, [seeded(i) for i in range(6)])
+    batch = make_batch(params, [SeedStream(i) for i in range(6)])
     assert batch.any_top_k_top_p == any(k in filters for k in ("top_p", "top_k"))
     assert batch.any_min_p == ("min_p" in filters)
     assert batch.top_k.dtype == torch.int64 and batch.top_k.tolist()[1] == min(filters.get("top_k", 0), 1 << 24)
-    every = dataclasses.replace(batch, generators=[seeded(i) for i in range(6)], any_top_k_top_p=True,
+    every = dataclasses.replace(batch, streams=[SeedStream(i) for i in range(6)], any_top_k_top_p=True,
                                 any_min_p=True)  # fmt: skip
     for _ in range(20):
         assert Sampler()(logits, batch).sampled_token_ids.tolist() == \

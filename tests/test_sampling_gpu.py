@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from atom.ops._C_loader import get_C
-from atom.ops.cuda import sample_residual, sample_tokens
-from atom.ops.sampling import exponential_draws, sample_ref, sample_residual_ref
+from atom.ops.cuda import keyed_draws_, sample_residual, sample_tokens
+from atom.ops.sampling import draw_key, keyed_draws_ref, sample_ref, sample_residual_ref
 from atom.sampling_params import SamplingParams
-from atom.worker.sampler import Sampler, SamplingBatch
+from atom.worker.sampler import Sampler, SamplingBatch, SeedStream, exponential_draws
 
 HAS_KERNELS = torch.cuda.is_available() and get_C() is not None and hasattr(get_C(), "sample_tokens")
 pytestmark = pytest.mark.skipif(not HAS_KERNELS, reason="needs a CUDA GPU and a built atom._C with sample_tokens")
@@ -55,7 +55,7 @@ def _logits(rows: int, vocab: int, scale: float, bf16: bool, seed: int) -> torch
 def _compare(logits: torch.Tensor, temperature, top_k, top_p, min_p, draws=None) -> torch.Tensor:
     cuda = [t.cuda() for t in (logits, temperature, top_k, top_p, min_p)]
     if draws is None:
-        draws = exponential_draws(cuda[0], [torch.Generator("cuda").manual_seed(r) for r in range(len(logits))])
+        draws = exponential_draws(logits.shape, "cuda", [SeedStream(r) for r in range(len(logits))])
     draws = draws.cuda()
     tokens = sample_tokens(cuda[0], draws, *cuda[1:])
     expected = sample_ref(cuda[0], draws, *cuda[1:])
@@ -121,7 +121,7 @@ def test_sample_tokens_is_deterministic_and_leaves_its_inputs():
     vocab, rows = 32000, 64
     logits = _logits(rows, vocab, 4.0, True, 3).cuda()
     params = [t.cuda() for t in _params(rows, vocab, 3)]
-    draws = exponential_draws(logits, [None] * rows)
+    draws = exponential_draws(logits.shape, "cuda", [None] * rows)
     before = logits.clone(), draws.clone()
     first = sample_tokens(logits, draws, *params)
     assert all(torch.equal(sample_tokens(logits, draws, *params), first) for _ in range(5))
@@ -134,7 +134,7 @@ def test_sample_tokens_on_strided_rows():
     wide = _logits(rows, vocab + 37, 3.0, False, 5).cuda()
     logits = wide[:, 5 : 5 + vocab]
     params = [t.cuda() for t in _params(rows, vocab, 5)]
-    draws = exponential_draws(logits, [None] * rows)
+    draws = exponential_draws(logits.shape, "cuda", [None] * rows)
     assert torch.equal(sample_tokens(logits, draws, *params), sample_ref(logits.contiguous(), draws, *params))
 
 
@@ -157,7 +157,7 @@ def test_sample_residual_matches_reference(vocab, scale, bf16):
         logits = _logits(rows, vocab, scale, bf16, seed).cuda()
         params = [t.cuda() for t in _params(rows, vocab, seed)]
         drafts = _drafts(logits, seed)
-        draws = exponential_draws(logits, [torch.Generator("cuda").manual_seed(r) for r in range(rows)])
+        draws = exponential_draws(logits.shape, "cuda", [SeedStream(r) for r in range(rows)])
         tokens, probs = sample_residual(logits, draws, *params, drafts)
         want_tokens, want_probs = sample_residual_ref(logits, draws, *params, drafts)
         mismatched = (tokens != want_tokens).nonzero().flatten().tolist()
@@ -182,7 +182,7 @@ def test_sample_residual_edges():
         -1, device="cuda")])  # fmt: skip
     params = (temperature, top_k, top_p, min_p)
     for seed in range(5):
-        draws = exponential_draws(logits, [torch.Generator("cuda").manual_seed(seed + 10 * r) for r in range(6)])
+        draws = exponential_draws(logits.shape, "cuda", [SeedStream(seed + 10 * r) for r in range(6)])
         tokens, probs = sample_residual(logits, draws, *params, drafts)
         argmax = logits.argmax(dim=1)
         assert tokens[0] == drafts[0] and probs[0] == 1.0
@@ -192,7 +192,7 @@ def test_sample_residual_edges():
 
 
 def test_sampler_draws_the_same_tokens_with_the_kernel_and_with_the_reference(monkeypatch):
-    """The whole Sampler on the GPU (penalties, seeded generators, logprobs) with the kernel, and with
+    """The whole Sampler on the GPU (penalties, seeded streams, logprobs) with the kernel, and with
     ATOM_FORCE_REFERENCE=1: the same seeds give the same tokens."""
     vocab = 32000
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0),
@@ -203,8 +203,8 @@ def test_sampler_draws_the_same_tokens_with_the_kernel_and_with_the_reference(mo
     prompts, outputs = [[1, 2, 3]] * len(params), [[4, 5], [], [6], [], [7, 8, 9], []]
 
     def run() -> tuple[list[int], list]:
-        gens = [torch.Generator("cuda").manual_seed(p.seed) if p.seed is not None else None for p in params]
-        batch = SamplingBatch.from_params(params, gens, prompts, outputs, device="cuda")
+        streams = [SeedStream(p.seed) if p.seed is not None else None for p in params]
+        batch = SamplingBatch.from_params(params, streams, prompts, outputs, device="cuda")
         out = Sampler()(logits, batch)
         return out.sampled_token_ids.tolist(), out.logprobs
 
@@ -215,3 +215,24 @@ def test_sampler_draws_the_same_tokens_with_the_kernel_and_with_the_reference(mo
         monkeypatch.delenv("ATOM_FORCE_REFERENCE")
         assert kernel == reference
         logits = logits.roll(1, dims=1)
+
+
+@pytest.mark.parametrize("width", [1, 7, 1000, 32001, 163841])
+def test_keyed_draws_match_reference(width):
+    """Seeded rows' draws: the kernel writes the rows it is given, from their keys, as keyed_draws_ref does (the
+    same floats); rows it is not given keep their poison."""
+    g = torch.Generator().manual_seed(width)
+    for n, total in ((1, 1), (5, 9), (300, 301)):
+        rows = torch.randperm(total, generator=g)[:n]
+        keys = torch.tensor([draw_key(int(s), int(d), j) for s, d, j in zip(
+            torch.randint(-(2**62), 2**62, (n,), generator=g), torch.randint(0, 1 << 20, (n,), generator=g),
+            torch.randint(0, 9, (n,), generator=g))])  # fmt: skip
+        out = keyed_draws_(torch.full((total, width + 3), float("nan"), device="cuda")[:, 2 : 2 + width],
+                           rows.cuda(), keys.cuda())  # fmt: skip
+        want = keyed_draws_ref(torch.full((total, width), float("nan")), rows, keys)
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=0, equal_nan=True)
+        assert out[rows.cuda()].isfinite().all() and out[rows.cuda()].min() >= 0
+        untouched = torch.ones(total, dtype=torch.bool)
+        untouched[rows] = False
+        assert out[untouched.cuda()].isnan().all()
+

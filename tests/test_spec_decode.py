@@ -12,7 +12,7 @@ from atom.config import EngineConfig, SpeculativeConfig
 from atom.engine.engine_core import EngineCore
 from atom.layers.cache_spec import RecurrentStateSpec
 from atom.worker.drafters import Drafter
-from atom.worker.sampler import SamplingBatch, apply_penalties
+from atom.worker.sampler import SamplingBatch, SeedStream, apply_penalties
 from atom.worker.spec_decode import accept_greedy, target_probs, verify_rows
 from tests import checkpoints
 
@@ -492,9 +492,9 @@ def test_seeded_rows_verify_the_same_in_any_batch():
             drafts.append(row_drafts if mine else torch.randint(0, vocab, (i % 4,), generator=gen).tolist())
         logits = torch.cat([row_logits if i == before else torch.randn(1 + len(d), vocab, generator=gen)
                             for i, d in enumerate(drafts)])  # fmt: skip
-        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        streams = [SeedStream(p.seed) if p.seed is not None else None for p in params]
         verdict = verify_rows(logits, _rows_batch(len(logits), params, drafts, [[]] * len(params)), drafts,
-                              generators)
+                              streams)
         return [(int(verdict.accepted[before]), int(verdict.final[before]))]
 
     alone = run(0, 0)
@@ -524,11 +524,10 @@ def test_verify_rows_reads_drafts_from_the_device_as_from_the_host(device):
         proposed[r, : len(d)] = torch.tensor(d, dtype=torch.long)
     verdicts = []
     for on_device in (False, True):
-        generators = [torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
-                      for p in params]  # fmt: skip
+        streams = [SeedStream(p.seed) if p.seed is not None else None for p in params]
         torch.manual_seed(9)  # the unseeded rows' draws
         verdicts.append(verify_rows(logits, batch, [[0] * len(d) for d in drafts] if on_device else drafts,
-                                    generators, proposed.to(device) if on_device else None))  # fmt: skip
+                                    streams, proposed.to(device) if on_device else None))  # fmt: skip
     host, dev = verdicts
     for field in ("accepted", "final", "targets"):
         assert torch.equal(getattr(host, field), getattr(dev, field)), field

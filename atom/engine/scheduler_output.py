@@ -54,7 +54,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # runner may drop their state
     preempted_req_ids: set[str] = field(default_factory=set)
     # the preempted requests with a step still in flight (overlap): its sample is thrown away, so the
-    # runner winds their seeded generators back to before it (their tokens do not depend on the timing)
+    # runner winds their seeded draws back to before it (their tokens do not depend on the timing)
     discarded_req_ids: set[str] = field(default_factory=set)
     # Multi-step decoding: every scheduled row is one decode token, and the runner runs this
     # many steps, feeding each sampled token back in; blocks for all of them are allocated.

@@ -4,7 +4,8 @@
        └─────► argmax (rows with temperature 0 or top_k 1) ───────────────► token
 
 The race draws q ~ Exp(1) per token and takes argmax(probs / q), which
-samples from probs. The draws come from the caller (``exponential_draws``), so
+samples from probs. The draws come from the caller (the sampler's
+``exponential_draws``; a seeded request's from ``keyed_draws_ref``), so
 this reference and the fused kernel (``atom.ops.cuda.sample_tokens``) pick the
 same token from the same draws. ``sample_residual_ref`` (kernel:
 ``atom.ops.cuda.sample_residual``) serves the verification of speculative
@@ -20,16 +21,55 @@ from torch import Tensor
 MIN_EXP_DRAW = 1e-10
 
 
-def exponential_draws(like: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-    """One Exp(1) draw per element of ``like`` ([rows, vocab]). A row with a generator draws only from it,
-    so its result ignores the batch; the other rows share the default generator."""
-    q = torch.empty_like(like, dtype=torch.float32)
-    if any(g is None for g in generators):
-        q.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            q[row].exponential_(generator=generator)
-    return q
+# Keyed draws (seeded requests): draw i of a key is -log(1 - v), v the top 53 bits of SplitMix64's i-th output
+# from state key (mix64(key + (i + 1) * GAMMA)) over 2^53. The same bits on the CPU and in the kernel
+# (``atom.ops.cuda.keyed_draws_``), and no generator state: a request's draws are a function of its key alone.
+GAMMA = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def mix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int, mod 2^64."""
+    z = ((z ^ (z >> 30)) * _MIX[0]) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX[1]) & _MASK64
+    return z ^ (z >> 31)
+
+
+def draw_key(seed: int, draw: int, row: int) -> int:
+    """The key of a seeded request's ``row``-th logits row in its ``draw``-th draw (0-based), as a signed int64."""
+    if not 0 <= row < 1 << 16:
+        raise ValueError(f"draw_key: row {row} must be in [0, 2^16)")
+    key = mix64((mix64(seed & _MASK64) + ((draw << 16) + row + 1) * GAMMA) & _MASK64)
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def keyed_draws_ref(draws: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
+    """Write row ``rows[j]`` of ``draws`` ([R, width] fp32) with the Exp(1) draws of ``keys[j]`` (int64), in
+    place; the other rows are left as they are. Returns ``draws``."""
+    if not rows.numel():
+        return draws
+    index = torch.arange(1, draws.shape[1] + 1, dtype=torch.int64, device=draws.device)
+    z = _mix64_t(keys.to(draws.device).long().unsqueeze(1) + index * _signed(GAMMA))
+    v = _shr(z, 11).double() * 2.0**-53
+    draws[rows.to(draws.device).long()] = (-torch.log1p(-v)).float()
+    return draws
+
+
+def _mix64_t(z: Tensor) -> Tensor:
+    """``mix64`` on an int64 tensor (the products wrap mod 2^64, as the uint64 ones do)."""
+    z = (z ^ _shr(z, 30)) * _signed(_MIX[0])
+    z = (z ^ _shr(z, 27)) * _signed(_MIX[1])
+    return z ^ _shr(z, 31)
+
+
+def _shr(z: Tensor, s: int) -> Tensor:
+    """A logical right shift of int64 bits (torch's is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def sample_ref(

@@ -1,7 +1,7 @@
 """SchedulerOutput -> flat batch tensors -> model -> sampled tokens.
 
 The runner owns the device side: the model, the cache tensors, each live
-request's sampling state (params, seeded generator, tokens for penalties).
+request's sampling state (params, seeded draws, tokens for penalties).
 It never decides policy and never touches scheduler objects.
 """
 
@@ -24,7 +24,7 @@ from atom.worker.cache_memory import CacheLayout, check_room, plan_cache
 from atom.worker.cuda_graph import DecodeOutput, InputPatch, as_index, capture_decode_graphs
 from atom.worker.deferred import Deferred, DeferredTokens, DeferredVerification, HostCopy, PinnedRing
 from atom.worker.drafters import DraftContext, TokenHistories, make_drafter
-from atom.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from atom.worker.sampler import Sampler, SamplingBatch, SeedStream, compute_prompt_logprobs
 from atom.worker.spec_decode import Verdict, accept_greedy, emitted_logprobs, verify_rows
 
 
@@ -45,15 +45,15 @@ def defers_tokens(config: EngineConfig, has_drafter: bool) -> bool:
 class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    generator: torch.Generator | None
+    stream: SeedStream | None  # a seeded request's draws
     output_token_ids: list[int] = field(default_factory=list)  # only ever appended to
     # its last step's drafts as planned, less those accepted; and the drafts proposed after it
     # (for a row planned while that step ran: ScheduledRequest.after_inflight)
     num_rejected: int = 0
     next_drafts: list[int] = field(default_factory=list)
-    # with overlap, the seeded generator's state before its newest step: restored where the scheduler
+    # with overlap, the seeded stream's draw count before its newest step: restored where the scheduler
     # throws that step's sample away (a preemption while it ran)
-    generator_before: torch.Tensor | None = None
+    draws_before: int | None = None
     _tokens: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     _tokens_len: int = 0
 
@@ -153,20 +153,20 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for req_id in sched.discarded_req_ids:
             st = self.requests.get(req_id)
-            if st is not None and st.generator_before is not None:
-                st.generator.set_state(st.generator_before)
+            if st is not None and st.draws_before is not None:
+                st.stream.draws = st.draws_before
         for new in sched.new_requests:
             self.requests[new.request_id] = self._new_state(new)
 
     def _new_state(self, new: NewRequestData) -> CachedRequestState:
         old = self.requests.get(new.request_id)
-        if old is not None:  # resumed after preemption: keep the generator's position
-            gen = old.generator
+        if old is not None:  # resumed after preemption: keep the stream's position
+            stream = old.stream
         elif new.sampling_params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+            stream = SeedStream(new.sampling_params.seed)
         else:
-            gen = None
-        return CachedRequestState(new.prompt_token_ids, new.sampling_params, gen,
+            stream = None
+        return CachedRequestState(new.prompt_token_ids, new.sampling_params, stream,
                                   output_token_ids=list(new.output_token_ids))
 
     # -- one step ----------------------------------------------------------------
@@ -183,7 +183,7 @@ class ModelRunner:
         elif planned:
             sched = replace(sched, scheduled=self._settle(sched.scheduled, out))
         if self.config.async_scheduling:
-            self._mark_generators(sched.scheduled)
+            self._mark_streams(sched.scheduled)
         chained = self._chains(sched)
         defer_verification = settle is not None or (self.defers_verification and self._verification_chains(sched))
         if not chained and not defer_verification:  # this step reads the host's histories: bring in the rest
@@ -273,12 +273,12 @@ class ModelRunner:
         self.num_deferred_steps += 1
         out.wait = deferred.resolve
 
-    def _mark_generators(self, rows: list[ScheduledRequest]) -> None:
-        """Each seeded row's generator state before this step draws (``CachedRequestState.generator_before``)."""
+    def _mark_streams(self, rows: list[ScheduledRequest]) -> None:
+        """Each seeded row's draw count before this step draws (``CachedRequestState.draws_before``)."""
         for s in rows:
             st = self.requests[s.request_id]
-            if s.sample and st.generator is not None:
-                st.generator_before = st.generator.get_state()
+            if s.sample and st.stream is not None:
+                st.draws_before = st.stream.draws
 
     def _settle(self, rows: list[ScheduledRequest], out: RunnerOutput) -> list[ScheduledRequest]:
         """Rows planned while their request's step before this one ran (``ScheduledRequest.after_inflight``),
@@ -472,7 +472,7 @@ class ModelRunner:
         counted = [st.penalty_tokens() for st in states]
         return SamplingBatch.from_params(
             [st.sampling_params for st in states],
-            [st.generator for st in states],
+            [st.stream for st in states],
             [prompt for prompt, _ in counted],
             [outputs for _, outputs in counted],
             device=self.device,
@@ -567,7 +567,7 @@ class ModelRunner:
                 histories += [outputs] * (k + 1)  # (nothing)
         batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
-                              [st.generator for _, _, st in others], proposed)
+                              [st.stream for _, _, st in others], proposed)
         return verdict, logits
 
     def _emitted_logprobs(self, others, logits: torch.Tensor, out: RunnerOutput) -> None:

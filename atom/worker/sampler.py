@@ -10,9 +10,11 @@ and torch elsewhere (``atom.ops.sampling``).
 
 Logprobs are reported from the *raw* logits (vLLM's default "raw_logprobs").
 
-Invariant: a seeded request draws only from its own generator, one Exp(1)
-vector of vocabulary size per step, so its tokens do not depend on which other
-requests share the batch. Unseeded requests share the default generator.
+Invariant: a seeded request's Exp(1) vector of a step is a function of its
+seed and how many times it has drawn before (``SeedStream``), so its tokens do
+not depend on which other requests share the batch. Every seeded row of a step
+is drawn in one launch (``atom.ops.cuda.keyed_draws_``). Unseeded requests
+share the default generator.
 """
 
 from __future__ import annotations
@@ -25,12 +27,50 @@ import torch
 from torch import Tensor
 
 from atom.forward_context import upload
-from atom.ops.cuda import sample_tokens
-from atom.ops.sampling import exponential_draws
+from atom.ops.cuda import keyed_draws_, sample_tokens
+from atom.ops.sampling import draw_key
 from atom.sampling_params import SamplingParams
 
 # Largest top_k kept as is in the float32 upload (larger ones filter nothing: no vocabulary is that big)
 _TOP_K_EXACT = 1 << 24
+
+
+class SeedStream:
+    """A seeded request's draws: its n-th draw (``take``) is keyed by its seed and n alone
+    (``atom.ops.sampling.draw_key``), so it needs no generator state, and a draw thrown away is undone by setting
+    ``draws`` back (the runner does, where the scheduler discards a step that ran ahead)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.draws = seed, 0
+
+    def take(self, rows: int = 1) -> list[int]:
+        """This draw's keys, one per logits row it covers (a verification's 1 + k), and move on to the next draw."""
+        keys = [draw_key(self.seed, self.draws, j) for j in range(rows)]
+        self.draws += 1
+        return keys
+
+    def __repr__(self) -> str:
+        return f"SeedStream(seed={self.seed}, draws={self.draws})"
+
+
+def exponential_draws(shape: tuple[int, int], device: torch.device | str, streams: Sequence[SeedStream | None],
+                      firsts: Sequence[int] | None = None) -> Tensor:  # fmt: skip
+    """[rows, width] fp32 Exp(1) draws: request i's logits rows ``firsts[i]:firsts[i + 1]`` (row i where
+    ``firsts`` is None) from its stream, every seeded row in one launch; the other rows' from the default
+    generator."""
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    if any(stream is None for stream in streams):
+        q.exponential_()
+    rows, keys = [], []
+    for i, stream in enumerate(streams):
+        if stream is not None:
+            first, end = (i, i + 1) if firsts is None else (firsts[i], firsts[i + 1])
+            rows.extend(range(first, end))
+            keys.extend(stream.take(end - first))
+    if rows:
+        index = upload([*rows, *keys], torch.long, device)
+        keyed_draws_(q, index[: len(rows)], index[len(rows) :])
+    return q
 
 
 @dataclass
@@ -44,7 +84,7 @@ class SamplingBatch:
     presence_penalty: Tensor  # [B] float32
     frequency_penalty: Tensor  # [B] float32
     repetition_penalty: Tensor  # [B] float32
-    generators: list[torch.Generator | None]  # None: default generator
+    streams: list[SeedStream | None]  # a seeded request's draws; None: the default generator
     # What the penalties count: the prompt (a repetition penalty's) and the output tokens, as lists or int64
     # arrays. Rows without such a penalty may pass them empty, as the runner does (CachedRequestState.penalty_tokens):
     # their counts change nothing.
@@ -61,7 +101,7 @@ class SamplingBatch:
     @staticmethod
     def from_params(
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        streams: list[SeedStream | None],
         prompt_token_ids: list[Sequence[int]],
         output_token_ids: list[Sequence[int]],
         device: torch.device | str = "cpu",
@@ -82,7 +122,7 @@ class SamplingBatch:
             presence_penalty=presence,
             frequency_penalty=frequency,
             repetition_penalty=repetition,
-            generators=list(generators),
+            streams=list(streams),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             num_logprobs=[p.logprobs for p in params],
@@ -108,7 +148,7 @@ class Sampler:
         if batch.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            draws = exponential_draws(logits, batch.generators)
+            draws = exponential_draws(logits.shape, logits.device, batch.streams)
             sampled = sample_tokens(logits, draws, batch.temperature, batch.top_k, batch.top_p, batch.min_p,
                                     batch.any_top_k_top_p, batch.any_min_p)  # fmt: skip
         return SamplerOutput(sampled, _sampled_logprobs(raw_logits, sampled, batch.num_logprobs))

@@ -21,8 +21,9 @@ every logits row at once: the draft's probability there, and a token drawn with
 the draft left out (the residual, emitted where the draft is rejected; at the
 bonus row there is no draft). Each logits row has one Exp(1) vector of
 vocabulary size + 1: the race's draws, and the draft's acceptance uniform
-exp(-E). A seeded request draws its rows from its own generator, so its tokens
-do not depend on the batch; the others share the default generator.
+exp(-E). A seeded request's rows are keyed by its seed and its draw count
+(``sampler.SeedStream``), so its tokens do not depend on the batch; the others
+share the default generator.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from atom.forward_context import upload
 from atom.ops.cuda import sample_residual
 from atom.ops.cuda.fused import accept_drafts
 from atom.ops.sampling import filtered_probs
-from atom.worker.sampler import SamplingBatch, _top_logprobs, _trim, apply_penalties
+from atom.worker.sampler import SamplingBatch, SeedStream, _top_logprobs, _trim, apply_penalties, exponential_draws
 
 
 class Verdict(NamedTuple):
@@ -61,12 +62,13 @@ def target_probs(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, Tensor]:
 
 
 def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
-                generators: list[torch.Generator | None], proposed: Tensor | None = None) -> Verdict:  # fmt: skip
+                streams: list[SeedStream | None], proposed: Tensor | None = None) -> Verdict:  # fmt: skip
     """The verification of n rows: row i ran ``[t, *drafts[i]]`` and has logits rows ``1 + len(drafts[i])``,
     back to back in ``logits`` in row order. ``batch`` has one entry per logits row (row i's parameters; for its
-    j-th, its output tokens followed by ``drafts[i][:j]``, which the penalties count). ``generators[i]``: row i's
-    seeded generator, or None. ``proposed``: the drafts on the device, [n, >= k] (row i's first len(drafts[i])
-    columns), where the host has only their number (a row filled in on the device: the runner's overlap)."""
+    j-th, its output tokens followed by ``drafts[i][:j]``, which the penalties count). ``streams[i]``: row i's
+    draws where it is seeded (one draw over its logits rows), or None. ``proposed``: the drafts on the device,
+    [n, >= k] (row i's first len(drafts[i]) columns), where the host has only their number (a row filled in on the
+    device: the runner's overlap)."""
     device, n = logits.device, len(drafts)
     counts = [len(d) for d in drafts]
     k = max(counts, default=0)
@@ -94,25 +96,13 @@ def verify_rows(logits: Tensor, batch: SamplingBatch, drafts: list[list[int]],
     else:
         if checked is None:  # row i's own drafts, then -1 (its bonus row), its logits rows back to back
             checked = torch.nn.functional.pad(proposed, (0, 1), value=-1).flatten()[packed[n * (k + 2) :]]
-        draws = _draws(logits.shape, firsts, generators, device)
+        draws = exponential_draws((logits.shape[0], logits.shape[1] + 1), device, streams, firsts)
         tokens, draft_probs = sample_residual(processed, draws[:, :-1], batch.temperature, batch.top_k, batch.top_p,
                                               batch.min_p, checked, batch.any_top_k_top_p, batch.any_min_p)
         outcome = accept_drafts(tokens, at, proposed, num_drafts, draft_probs, draws[:, -1])  # u = exp(-E) ~ U(0, 1]
     accepted, final = outcome[:n], outcome[n : 2 * n]
     targets = outcome[2 * n :].view(n, k + 1)
     return Verdict(accepted, final, targets)
-
-
-def _draws(shape: torch.Size, firsts: list[int], generators: list[torch.Generator | None], device) -> Tensor:
-    """[logits rows, vocab + 1] Exp(1): request i's rows firsts[i]:firsts[i + 1] from its generator (one call),
-    the others' from the default generator."""
-    q = torch.empty(shape[0], shape[1] + 1, device=device)
-    if any(g is None for g in generators):
-        q.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            q[firsts[row] : firsts[row + 1]].exponential_(generator=generator)
-    return q
 
 
 def emitted_logprobs(raw_logits: Tensor, rows: list[int], tokens: list[list[int]],

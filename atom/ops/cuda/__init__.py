@@ -19,6 +19,7 @@ links against torch's C++ ABI.
     rotary_write_kv       neox rotary on q and k, the rotated k and v into the caches: one kernel
     sample_tokens         one token per logits row: temperature, top-k, top-p, min-p, exponential race
     sample_residual       the same with a draft per row: its probability, and the race without it
+    keyed_draws_          seeded requests' Exp(1) draws, each row from its key alone, in one launch
 
 ``kernels_apply(*tensors)`` says whether the kernels run on given tensors
 (layers use it to pick the kernel-shaped path).
@@ -34,8 +35,8 @@ from atom.ops.cuda.mla import mla_decode, write_latent_cache
 from atom.ops.cuda.norm import gated_rmsnorm
 from atom.ops.cuda.paged_attention import (paged_decode_attention, paged_prefill_attention, rotary_write_kv,
                                           write_kv_cache)
-from atom.ops.cuda.sampling import sample_residual, sample_tokens
+from atom.ops.cuda.sampling import keyed_draws_, sample_residual, sample_tokens
 
 __all__ = ["kernels_apply", "kda_decode", "kda_prefill", "conv1d_update", "conv1d_prefill", "gated_rmsnorm",
            "mla_decode", "write_latent_cache", "paged_decode_attention", "paged_prefill_attention", "write_kv_cache",
-           "rotary_write_kv", "sample_residual", "sample_tokens"]
+           "rotary_write_kv", "sample_residual", "sample_tokens", "keyed_draws_"]

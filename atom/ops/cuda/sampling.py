@@ -1,11 +1,12 @@
-"""Fused token sampling: temperature, top-k, top-p, min-p and the exponential race in one launch."""
+"""Fused token sampling: temperature, top-k, top-p, min-p and the exponential race in one launch; seeded
+requests' draws, every row in one launch."""
 
 from __future__ import annotations
 
 import torch
 
 from atom.ops.cuda._launch import C, device_guard, kernels_apply, stream_of
-from atom.ops.sampling import sample_ref, sample_residual_ref
+from atom.ops.sampling import keyed_draws_ref, sample_ref, sample_residual_ref
 
 _MAX_VOCAB = 1 << 24  # the kernel's sort keys hold a token index in at most 24 bits
 
@@ -51,6 +52,21 @@ def sample_residual(
     if not _on_kernel(logits, draws, (*params, drafts)):
         return sample_residual_ref(logits, draws, *params, drafts, filter_top_k_top_p, filter_min_p)
     return _launch(logits, draws, params, drafts)
+
+
+def keyed_draws_(draws: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Row ``rows[j]`` of ``draws`` (fp32 [R, width]) gets the Exp(1) draws of ``keys[j]`` (int64), in place, as
+    ``atom.ops.sampling.keyed_draws_ref``; ``rows`` and ``keys`` int64 [n]. Returns ``draws``."""
+    if draws.dim() != 2 or draws.dtype != torch.float32 or rows.shape != keys.shape or rows.dim() != 1:
+        raise ValueError("keyed_draws_: draws must be fp32 [R, width], rows and keys [n] alike")
+    n, width = rows.numel(), draws.shape[1]
+    if not (kernels_apply(draws, rows, keys) and draws.stride(1) == 1 and 0 < n <= 65535):
+        return keyed_draws_ref(draws, rows, keys)
+    rows, keys = rows.long().contiguous(), keys.long().contiguous()
+    with device_guard(draws.device):
+        C().keyed_draws(draws.data_ptr(), draws.stride(0), rows.data_ptr(), keys.data_ptr(), n, width,
+                        stream_of(draws.device))  # fmt: skip
+    return draws
 
 
 def _check(logits: torch.Tensor, draws: torch.Tensor, per_row) -> None:
