@@ -70,7 +70,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in [{low:g}, {high:g}]; "
                              "use 1 to disable")
         if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
-            # a 64-bit seed (a request keys its draws by it: atom.ops.sampling.draw_key)
+            # a 64-bit seed (a request keys its draws by it: atom.ops.sampling.seed_state)
             raise ValueError(f"seed={self.seed} must be an integer in [-2**63, 2**63 - 1], or None for no seed")
 
     def _validate_lengths(self) -> None:

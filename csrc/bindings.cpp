@@ -2,10 +2,12 @@
 // sizes and a raw stream handle, so this module never links against torch's
 // C++ ABI; atom/ops/*.py derives those arguments from tensors.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ops.h"
 
@@ -441,9 +443,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "keyed_draws",
-      [](uintptr_t draws, int64_t stride, uintptr_t rows, uintptr_t keys, int64_t n, int64_t width,
-         uintptr_t stream) { check(atom::keyed_draws(draws, stride, rows, keys, n, width, stream)); },
-      "seeded requests' Exp(1) draws: row rows[j] of draws from keys[j] alone (SplitMix64), every row in one launch",
-      py::arg("draws"), py::arg("stride"), py::arg("rows"), py::arg("keys"), py::arg("n"), py::arg("width"),
+      [](uintptr_t draws, int64_t stride, int64_t width, const std::vector<int64_t>& rows,
+         const std::vector<uint64_t>& seeds, const std::vector<uint64_t>& counters, uintptr_t stream) {
+        if (seeds.size() != rows.size() || counters.size() != rows.size())
+          throw std::invalid_argument("keyed_draws: rows, seeds and counters must be alike");
+        check(atom::keyed_draws(draws, stride, width, rows.data(), seeds.data(), counters.data(),
+                                static_cast<int64_t>(rows.size()), stream));
+      },
+      "seeded requests' Exp(1) draws: row rows[j] of draws from its seed state and counter alone (SplitMix64), "
+      "128 rows a launch",
+      py::arg("draws"), py::arg("stride"), py::arg("width"), py::arg("rows"), py::arg("seeds"), py::arg("counters"),
       py::arg("stream"));
 }

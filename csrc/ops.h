@@ -384,10 +384,12 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
                           uintptr_t temperature, uintptr_t top_p, uintptr_t top_k, uintptr_t min_p, uintptr_t out,
                           uintptr_t drafts, uintptr_t draft_probs, int64_t rows, int64_t vocab, uintptr_t stream);
 
-// Keyed Exp(1) draws for seeded requests (atom.ops.sampling.keyed_draws_ref): for j < n, row rows[j] (int64) of
-// draws (fp32, row stride given, width columns contiguous) gets the draws of keys[j] (int64). Other rows untouched.
-const char* keyed_draws(uintptr_t draws, int64_t stride, uintptr_t rows, uintptr_t keys, int64_t n, int64_t width,
-                        uintptr_t stream);
+// Keyed Exp(1) draws for seeded requests (atom.ops.sampling.keyed_draws_ref): for j < n, row rows[j] of draws
+// (fp32, row stride given, width columns contiguous) gets the draws of the key of seeds[j] and counters[j] (host
+// arrays, passed to the kernel by value, kMaxKeyedRows a launch). Other rows untouched.
+constexpr int kMaxKeyedRows = 128;
+const char* keyed_draws(uintptr_t draws, int64_t stride, int64_t width, const int64_t* rows, const uint64_t* seeds,
+                        const uint64_t* counters, int64_t n, uintptr_t stream);
 
 // ---- launch.cu: programmatic dependent launch of the kernels (portability.h's launch_kernel), on by
 // default on sm_90+ unless ATOM_PDL=0. Turning it on elsewhere leaves it off. Kernels already captured in a

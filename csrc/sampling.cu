@@ -364,9 +364,9 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p) {
   }
 }
 
-// Keyed Exp(1) draws (seeded requests; atom.ops.sampling.keyed_draws_ref): row rows[j] of draws gets
-// -log(1 - v_i), v_i the top 53 bits of SplitMix64's i-th output from state keys[j], over 2^53. In double, as
-// the reference: the two give the same floats.
+// Keyed Exp(1) draws (seeded requests; atom.ops.sampling.keyed_draws_ref): row rows.row[j] of draws gets
+// -log(1 - v_i), v_i the top 53 bits of SplitMix64's i-th output from key mix64(seed + counter * kGamma), over
+// 2^53. In double, as the reference: the two give the same floats. The rows come by value (no upload).
 constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ull;
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
@@ -375,11 +375,17 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-__global__ void keyed_draws_kernel(float* draws, int64_t stride, const int64_t* rows, const int64_t* keys,
-                                   int64_t width) {
+struct KeyedRows {
+  int64_t row[kMaxKeyedRows];
+  uint64_t seed[kMaxKeyedRows];
+  uint64_t counter[kMaxKeyedRows];
+};
+
+__global__ void keyed_draws_kernel(float* draws, int64_t stride, int64_t width, KeyedRows rows) {
   pdl_enter();
-  float* out = draws + rows[blockIdx.y] * stride;
-  const uint64_t key = static_cast<uint64_t>(keys[blockIdx.y]);
+  const int j = blockIdx.y;
+  float* out = draws + rows.row[j] * stride;
+  const uint64_t key = mix64(rows.seed[j] + rows.counter[j] * kGamma);
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < width; i += int64_t{gridDim.x} * blockDim.x) {
     const uint64_t bits = mix64(key + static_cast<uint64_t>(i + 1) * kGamma);
     out[i] = static_cast<float>(-log1p(-static_cast<double>(bits >> 11) * 0x1p-53));
@@ -414,17 +420,24 @@ const char* sample_tokens(uintptr_t logits, int64_t logits_stride, uintptr_t dra
   return last_launch_error();
 }
 
-const char* keyed_draws(uintptr_t draws, int64_t stride, uintptr_t rows, uintptr_t keys, int64_t n, int64_t width,
-                        uintptr_t stream) {
+const char* keyed_draws(uintptr_t draws, int64_t stride, int64_t width, const int64_t* rows, const uint64_t* seeds,
+                        const uint64_t* counters, int64_t n, uintptr_t stream) {
   if (n < 0 || width < 0) return "keyed_draws: needs n >= 0 and width >= 0";
-  if (n == 0 || width == 0) return nullptr;
-  if (n > 65535) return "keyed_draws: at most 65535 rows a launch";
   constexpr int threads = 256;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((width + threads - 1) / threads, 64)),
-                  static_cast<unsigned>(n));
-  launch_kernel(keyed_draws_kernel, grid, threads, 0, as_stream(stream), reinterpret_cast<float*>(draws), stride,
-                reinterpret_cast<const int64_t*>(rows), reinterpret_cast<const int64_t*>(keys), width);
-  return last_launch_error();
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((width + threads - 1) / threads, 64));
+  for (int64_t first = 0; first < n && width > 0; first += kMaxKeyedRows) {
+    const int count = static_cast<int>(std::min<int64_t>(n - first, kMaxKeyedRows));
+    KeyedRows batch;
+    for (int j = 0; j < count; ++j) {
+      batch.row[j] = rows[first + j];
+      batch.seed[j] = seeds[first + j];
+      batch.counter[j] = counters[first + j];
+    }
+    launch_kernel(keyed_draws_kernel, dim3(blocks, static_cast<unsigned>(count)), threads, 0, as_stream(stream),
+                  reinterpret_cast<float*>(draws), stride, width, batch);
+    if (const char* error = last_launch_error()) return error;
+  }
+  return nullptr;
 }
 
 }  // namespace atom

@@ -70,8 +70,8 @@ def test_invalid_params_raise(kwargs):
 def test_seeds_at_the_ends_of_the_64_bit_range_are_taken():
     for seed in (-(2**63), 2**63 - 1):
         assert SamplingParams(seed=seed).seed == seed
-        keys = SeedStream(seed).take(3)  # what the runner does with it
-        assert len(set(keys)) == 3 and all(-(2**63) <= key < 2**63 for key in keys)
+        stream = SeedStream(seed)  # what the runner does with it
+        assert 0 <= stream.state < 2**64 and stream.take(3) == [1, 2, 3] and stream.take(1) == [(1 << 16) + 1]
 
 
 def test_n_error_names_the_field():
@@ -320,36 +320,40 @@ def _run_seeded_steps(step_logits, rows, make_streams):
 
 
 def test_keyed_draws_are_splitmix64_and_exponential():
-    """A seeded row's draws: element i of key k is -log(1 - v), v the top 53 bits of SplitMix64's i-th output
-    from state k (computed here with Python ints, exactly), and they are Exp(1): mean, variance and tail."""
+    """A seeded row's draws: element i of the key of (seed state s, counter c) is -log(1 - v), v the top 53 bits
+    of SplitMix64's i-th output from mix64(s + c * GAMMA) (computed here with Python ints, exactly), and they are
+    Exp(1): mean, variance and a KS test."""
     from scipy.stats import kstest
 
-    from atom.ops.sampling import GAMMA, draw_key, keyed_draws_ref, mix64
+    from atom.ops.sampling import GAMMA, MASK64, keyed_draws_ref, mix64, seed_state
 
-    keys = [draw_key(seed, draw, row) for seed, draw, row in [(0, 0, 0), (-(2**63), 5, 3), (2**63 - 1, 1 << 40, 9)]]
-    assert len(set(keys)) == 3
-    draws = keyed_draws_ref(torch.full((4, 5000), -1.0), torch.tensor([3, 0, 2]), torch.tensor(keys))
+    seeds = [seed_state(seed) for seed in (0, -(2**63), 2**63 - 1)]
+    counters = [1, (5 << 16) + 4, (1 << 56) + 10]
+    draws = keyed_draws_ref(torch.full((4, 5000), -1.0), [3, 0, 2], seeds, counters)
     assert (draws[1] == -1).all()  # a row not given stays as it was
-    for row, key in zip((3, 0, 2), keys):
+    for row, seed, counter in zip((3, 0, 2), seeds, counters):
+        key = mix64((seed + counter * GAMMA) & MASK64)
         for i in (0, 1, 4999):
-            v = (mix64((key + (i + 1) * GAMMA) % 2**64) >> 11) * 2.0**-53
+            v = (mix64((key + (i + 1) * GAMMA) & MASK64) >> 11) * 2.0**-53
             assert draws[row, i].item() == np.float32(-math.log1p(-v))
-    many = keyed_draws_ref(torch.empty(8, 100_000), torch.arange(8), torch.tensor(
-        [draw_key(7, d, 0) for d in range(8)])).flatten()  # fmt: skip
+    many = keyed_draws_ref(torch.empty(8, 100_000), range(8), [seed_state(7)] * 8, range(1, 9)).flatten()
     assert abs(many.mean().item() - 1) < 0.01 and abs(many.var().item() - 1) < 0.02
     assert kstest(many[:20000].double().numpy(), "expon").pvalue > 1e-3
 
 
-def test_seed_stream_keys_follow_seed_and_draw_and_can_be_wound_back():
-    """The n-th draw's keys depend on the seed and n only: two streams of one seed agree draw for draw, setting
-    ``draws`` back repeats a draw, and other seeds, draws and rows get other keys."""
+def test_seed_stream_draws_follow_seed_and_draw_and_can_be_wound_back():
+    """The n-th draw depends on the seed and n only: two streams of one seed agree draw for draw, setting
+    ``draws`` back repeats a draw, and other seeds, draws and rows draw otherwise."""
+    def draws(stream: SeedStream, rows: int = 3) -> list[tuple[float, ...]]:
+        return [tuple(row.tolist()) for row in exponential_draws((rows, 16), "cpu", [stream], [0, rows])]
+
     a, b = SeedStream(42), SeedStream(42)
-    first = a.take(3)
-    assert b.take(3) == first and a.draws == 1
-    second = a.take(3)
+    first = draws(a)
+    assert draws(b) == first and a.draws == 1
+    second = draws(a)
     a.draws = 1
-    assert a.take(3) == second
-    assert len({*first, *second, *SeedStream(43).take(3)}) == 9
+    assert draws(a) == second
+    assert len({*first, *second, *draws(SeedStream(43))}) == 9
 
 
 def test_seeded_sampling_is_independent_of_batch():

@@ -19,7 +19,7 @@ import torch
 
 from atom.ops._C_loader import get_C
 from atom.ops.cuda import keyed_draws_, sample_residual, sample_tokens
-from atom.ops.sampling import draw_key, keyed_draws_ref, sample_ref, sample_residual_ref
+from atom.ops.sampling import keyed_draws_ref, sample_ref, sample_residual_ref, seed_state
 from atom.sampling_params import SamplingParams
 from atom.worker.sampler import Sampler, SamplingBatch, SeedStream, exponential_draws
 
@@ -219,20 +219,17 @@ def test_sampler_draws_the_same_tokens_with_the_kernel_and_with_the_reference(mo
 
 @pytest.mark.parametrize("width", [1, 7, 1000, 32001, 163841])
 def test_keyed_draws_match_reference(width):
-    """Seeded rows' draws: the kernel writes the rows it is given, from their keys, as keyed_draws_ref does (the
-    same floats); rows it is not given keep their poison."""
+    """Seeded rows' draws: the kernel writes the rows it is given (up to 300: three launches of 128 rows), from
+    their seed states and counters, as keyed_draws_ref does (the same floats); rows not given keep their poison."""
     g = torch.Generator().manual_seed(width)
     for n, total in ((1, 1), (5, 9), (300, 301)):
-        rows = torch.randperm(total, generator=g)[:n]
-        keys = torch.tensor([draw_key(int(s), int(d), j) for s, d, j in zip(
-            torch.randint(-(2**62), 2**62, (n,), generator=g), torch.randint(0, 1 << 20, (n,), generator=g),
-            torch.randint(0, 9, (n,), generator=g))])  # fmt: skip
-        out = keyed_draws_(torch.full((total, width + 3), float("nan"), device="cuda")[:, 2 : 2 + width],
-                           rows.cuda(), keys.cuda())  # fmt: skip
-        want = keyed_draws_ref(torch.full((total, width), float("nan")), rows, keys)
+        rows = torch.randperm(total, generator=g)[:n].tolist()
+        seeds = [seed_state(int(s)) for s in torch.randint(-(2**62), 2**62, (n,), generator=g)]
+        counters = [int(c) for c in torch.randint(1, 2**62, (n,), generator=g)]
+        out = keyed_draws_(torch.full((total, width + 3), float("nan"), device="cuda")[:, 2 : 2 + width], rows,
+                           seeds, counters)  # fmt: skip
+        want = keyed_draws_ref(torch.full((total, width), float("nan")), rows, seeds, counters)
         torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=0, equal_nan=True)
-        assert out[rows.cuda()].isfinite().all() and out[rows.cuda()].min() >= 0
-        untouched = torch.ones(total, dtype=torch.bool)
-        untouched[rows] = False
-        assert out[untouched.cuda()].isnan().all()
-
+        assert out[rows].isfinite().all() and out[rows].min() >= 0
+        untouched = [r for r in range(total) if r not in set(rows)]
+        assert out[untouched].isnan().all()

@@ -14,6 +14,8 @@ drafts: a draft's probability, and a token drawn with the draft left out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -21,38 +23,38 @@ from torch import Tensor
 MIN_EXP_DRAW = 1e-10
 
 
-# Keyed draws (seeded requests): draw i of a key is -log(1 - v), v the top 53 bits of SplitMix64's i-th output
-# from state key (mix64(key + (i + 1) * GAMMA)) over 2^53. The same bits on the CPU and in the kernel
-# (``atom.ops.cuda.keyed_draws_``), and no generator state: a request's draws are a function of its key alone.
+# Keyed draws (seeded requests). Row j's key is mix64(seeds[j] + counters[j] * GAMMA) and its draw i is
+# -log(1 - v), v the top 53 bits of mix64(key + (i + 1) * GAMMA) over 2^53: SplitMix64's i-th output from that key
+# (mod 2^64 throughout). The same bits on the CPU and in the kernel (``atom.ops.cuda.keyed_draws_``), and no
+# generator state: a seeded request passes a state made from its seed once (``seed_state``) and a counter of its
+# draws and rows (``sampler.SeedStream``).
 GAMMA = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def mix64(z: int) -> int:
-    """SplitMix64's finalizer on a Python int, mod 2^64."""
-    z = ((z ^ (z >> 30)) * _MIX[0]) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX[1]) & _MASK64
+    """SplitMix64's finalizer on a Python int in [0, 2^64)."""
+    z = ((z ^ (z >> 30)) * _MIX[0]) & MASK64
+    z = ((z ^ (z >> 27)) * _MIX[1]) & MASK64
     return z ^ (z >> 31)
 
 
-def draw_key(seed: int, draw: int, row: int) -> int:
-    """The key of a seeded request's ``row``-th logits row in its ``draw``-th draw (0-based), as a signed int64."""
-    if not 0 <= row < 1 << 16:
-        raise ValueError(f"draw_key: row {row} must be in [0, 2^16)")
-    key = mix64((mix64(seed & _MASK64) + ((draw << 16) + row + 1) * GAMMA) & _MASK64)
-    return key - (1 << 64) if key >= 1 << 63 else key
+def seed_state(seed: int) -> int:
+    """A seeded request's state for its keys (a 64-bit seed, negative ones too)."""
+    return mix64(seed & MASK64)
 
 
-def keyed_draws_ref(draws: Tensor, rows: Tensor, keys: Tensor) -> Tensor:
-    """Write row ``rows[j]`` of ``draws`` ([R, width] fp32) with the Exp(1) draws of ``keys[j]`` (int64), in
-    place; the other rows are left as they are. Returns ``draws``."""
-    if not rows.numel():
+def keyed_draws_ref(draws: Tensor, rows: Sequence[int], seeds: Sequence[int], counters: Sequence[int]) -> Tensor:
+    """Write row ``rows[j]`` of ``draws`` ([R, width] fp32) with the Exp(1) draws of the key of ``seeds[j]`` and
+    ``counters[j]`` (ints in [0, 2^64)), in place; the other rows are left as they are. Returns ``draws``."""
+    if not rows:
         return draws
+    keys = [_signed(mix64((seed + counter * GAMMA) & MASK64)) for seed, counter in zip(seeds, counters)]
     index = torch.arange(1, draws.shape[1] + 1, dtype=torch.int64, device=draws.device)
-    z = _mix64_t(keys.to(draws.device).long().unsqueeze(1) + index * _signed(GAMMA))
+    z = _mix64_t(torch.tensor(keys, dtype=torch.int64, device=draws.device).unsqueeze(1) + index * _signed(GAMMA))
     v = _shr(z, 11).double() * 2.0**-53
-    draws[rows.to(draws.device).long()] = (-torch.log1p(-v)).float()
+    draws[torch.tensor(rows, dtype=torch.int64, device=draws.device)] = (-torch.log1p(-v)).float()
     return draws
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from atom.forward_context import upload
 from atom.ops.cuda import keyed_draws_, sample_tokens
-from atom.ops.sampling import draw_key
+from atom.ops.sampling import seed_state
 from atom.sampling_params import SamplingParams
 
 # Largest top_k kept as is in the float32 upload (larger ones filter nothing: no vocabulary is that big)
@@ -37,17 +37,19 @@ _TOP_K_EXACT = 1 << 24
 
 class SeedStream:
     """A seeded request's draws: its n-th draw (``take``) is keyed by its seed and n alone
-    (``atom.ops.sampling.draw_key``), so it needs no generator state, and a draw thrown away is undone by setting
-    ``draws`` back (the runner does, where the scheduler discards a step that ran ahead)."""
+    (``atom.ops.sampling.keyed_draws_ref``), so it needs no generator state, and a draw thrown away is undone by
+    setting ``draws`` back (the runner does, where the scheduler discards a step that ran ahead)."""
 
     def __init__(self, seed: int) -> None:
-        self.seed, self.draws = seed, 0
+        self.seed, self.state, self.draws = seed, seed_state(seed), 0
 
     def take(self, rows: int = 1) -> list[int]:
-        """This draw's keys, one per logits row it covers (a verification's 1 + k), and move on to the next draw."""
-        keys = [draw_key(self.seed, self.draws, j) for j in range(rows)]
+        """This draw's counters, one per logits row it covers (a verification's 1 + k), and move on to the next."""
+        if not 0 < rows <= 1 << 16:
+            raise ValueError(f"SeedStream.take: {rows} rows; a draw covers 1 to 2^16")
+        first = (self.draws << 16) + 1
         self.draws += 1
-        return keys
+        return list(range(first, first + rows))
 
     def __repr__(self) -> str:
         return f"SeedStream(seed={self.seed}, draws={self.draws})"
@@ -61,15 +63,15 @@ def exponential_draws(shape: tuple[int, int], device: torch.device | str, stream
     q = torch.empty(shape, dtype=torch.float32, device=device)
     if any(stream is None for stream in streams):
         q.exponential_()
-    rows, keys = [], []
+    rows, seeds, counters = [], [], []
     for i, stream in enumerate(streams):
         if stream is not None:
             first, end = (i, i + 1) if firsts is None else (firsts[i], firsts[i + 1])
             rows.extend(range(first, end))
-            keys.extend(stream.take(end - first))
+            seeds.extend([stream.state] * (end - first))
+            counters.extend(stream.take(end - first))
     if rows:
-        index = upload([*rows, *keys], torch.long, device)
-        keyed_draws_(q, index[: len(rows)], index[len(rows) :])
+        keyed_draws_(q, rows, seeds, counters)
     return q
 
 

@@ -3,6 +3,8 @@ requests' draws, every row in one launch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from atom.ops.cuda._launch import C, device_guard, kernels_apply, stream_of
@@ -54,17 +56,17 @@ def sample_residual(
     return _launch(logits, draws, params, drafts)
 
 
-def keyed_draws_(draws: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Row ``rows[j]`` of ``draws`` (fp32 [R, width]) gets the Exp(1) draws of ``keys[j]`` (int64), in place, as
-    ``atom.ops.sampling.keyed_draws_ref``; ``rows`` and ``keys`` int64 [n]. Returns ``draws``."""
-    if draws.dim() != 2 or draws.dtype != torch.float32 or rows.shape != keys.shape or rows.dim() != 1:
-        raise ValueError("keyed_draws_: draws must be fp32 [R, width], rows and keys [n] alike")
-    n, width = rows.numel(), draws.shape[1]
-    if not (kernels_apply(draws, rows, keys) and draws.stride(1) == 1 and 0 < n <= 65535):
-        return keyed_draws_ref(draws, rows, keys)
-    rows, keys = rows.long().contiguous(), keys.long().contiguous()
+def keyed_draws_(draws: torch.Tensor, rows: Sequence[int], seeds: Sequence[int],
+                 counters: Sequence[int]) -> torch.Tensor:  # fmt: skip
+    """Row ``rows[j]`` of ``draws`` (fp32 [R, width]) gets the Exp(1) draws of the key of ``seeds[j]`` and
+    ``counters[j]``, in place, as ``atom.ops.sampling.keyed_draws_ref``. The lists go to the kernel by value
+    (nothing to upload): 128 rows a launch. Returns ``draws``."""
+    if draws.dim() != 2 or draws.dtype != torch.float32 or not len(rows) == len(seeds) == len(counters):
+        raise ValueError("keyed_draws_: draws must be fp32 [R, width], and rows, seeds and counters alike")
+    if not (kernels_apply(draws) and draws.stride(1) == 1):
+        return keyed_draws_ref(draws, rows, seeds, counters)
     with device_guard(draws.device):
-        C().keyed_draws(draws.data_ptr(), draws.stride(0), rows.data_ptr(), keys.data_ptr(), n, width,
+        C().keyed_draws(draws.data_ptr(), draws.stride(0), draws.shape[1], list(rows), list(seeds), list(counters),
                         stream_of(draws.device))  # fmt: skip
     return draws
 
