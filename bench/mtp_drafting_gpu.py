@@ -9,7 +9,7 @@ drafts are random, so verification accepts next to none and a step emits one
 token: what this measures is what drafting adds to a step. One engine with MTP
 speculation drafts in three ways, in turns whose order rotates with the batch.
 Its requests are greedy, or sample with ``--temperature`` (and ``--top-p``;
-``--seeded``: each request its own seed, so its own generator):
+``--seeded``: each request its own seed, so its own keyed draws):
 
 - "behind": on its graphs, the drafting graph replayed right behind the
   verification graph and drafting from its outputs, one step at a time

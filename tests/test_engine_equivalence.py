@@ -171,7 +171,7 @@ def test_overlap_with_preemption_and_stops(ckpt, make_llm):
 
 def test_seeded_rows_preempted_with_a_step_in_flight_keep_their_tokens(ckpt, make_llm):
     """With overlap, a request preempted while its step runs has that step's sample thrown away; its seeded
-    generator is wound back to before it, so its tokens are those of a run without overlap (where nothing is
+    draws are wound back to before it, so its tokens are those of a run without overlap (where nothing is
     in flight when a request is preempted)."""
     params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=30, ignore_eos=True) for seed in range(6)]
     runs = []

@@ -2,7 +2,7 @@
 recurrent state over a real Mooncake transfer engine (TCP on 127.0.0.1), behind the router.
 
 Greedy output through the router (streamed, via the openai client) must equal a colocated server's
-token for token, for a Kimi-Linear checkpoint (KDA + MLA: blocks and a state slot move) and a Llama
+token for token, and so must seeded sampling (the consumer's draws go on from the producer's), for a Kimi-Linear checkpoint (KDA + MLA: blocks and a state slot move) and a Llama
 one (blocks only), with prompts several prefill chunks long, with and without n-gram speculation
 (the producer's draft tokens move too). Afterwards both servers hold no blocks and no slots.
 
@@ -84,11 +84,14 @@ def clusters(request, tmp_path_factory):
         stop_all(procs)
 
 
-def _stream_token_ids(url: str, prompt: list[int]) -> tuple[list[int], str]:
+def _stream_token_ids(url: str, prompt: list[int], seed: int | None = None) -> tuple[list[int], str]:
+    """Greedy, or with a seed temperature 1."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     ids, reason = [], None
-    for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                           stream=True, extra_body={"return_token_ids": True, "ignore_eos": True}):
+    for chunk in client.completions.create(model="m", prompt=prompt, max_tokens=MAX_TOKENS, stream=True,
+                                           temperature=0 if seed is None else 1.0,
+                                           **({} if seed is None else {"seed": seed}),
+                                           extra_body={"return_token_ids": True, "ignore_eos": True}):
         if chunk.choices:
             ids += chunk.choices[0].token_ids or []
             reason = chunk.choices[0].finish_reason or reason
@@ -107,6 +110,11 @@ def test_1p1d_through_the_router_equals_colocated(clusters, name):
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(lambda p: _stream_token_ids(cluster.router.url, p), PROMPTS))
         assert together == [_stream_token_ids(cluster.colocated.url, p) for p in PROMPTS]
+        # Seeded sampling: the consumer's first draw is the colocated server's second (the producer drew the first)
+        for seed, prompt in enumerate(PROMPTS[:2]):
+            expected = _stream_token_ids(cluster.colocated.url, prompt, seed)
+            assert _stream_token_ids(cluster.router.url, prompt, seed) == expected, f"seed {seed}"
+            assert len(set(expected[0])) > 3  # sampled, not collapsed to one token
         for server in (cluster.producer, cluster.consumer):
             wait_all_free(server.url)
         for server in (cluster.producer, cluster.consumer):  # the host buffer carried the bytes, or was never made

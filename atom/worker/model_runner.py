@@ -163,7 +163,9 @@ class ModelRunner:
         if old is not None:  # resumed after preemption: keep the stream's position
             stream = old.stream
         elif new.sampling_params.seed is not None:
-            stream = SeedStream(new.sampling_params.seed)
+            # one draw per token it arrives with (a P/D consumer's request: the producer drew its first token), so
+            # its draws go on as in one engine
+            stream = SeedStream(new.sampling_params.seed, draws=len(new.output_token_ids))
         else:
             stream = None
         return CachedRequestState(new.prompt_token_ids, new.sampling_params, stream,

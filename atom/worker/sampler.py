@@ -40,8 +40,8 @@ class SeedStream:
     (``atom.ops.sampling.keyed_draws_ref``), so it needs no generator state, and a draw thrown away is undone by
     setting ``draws`` back (the runner does, where the scheduler discards a step that ran ahead)."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed, self.state, self.draws = seed, seed_state(seed), 0
+    def __init__(self, seed: int, draws: int = 0) -> None:
+        self.seed, self.state, self.draws = seed, seed_state(seed), draws
 
     def take(self, rows: int = 1) -> list[int]:
         """This draw's counters, one per logits row it covers (a verification's 1 + k), and move on to the next."""
