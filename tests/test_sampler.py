@@ -356,6 +356,24 @@ def test_seed_stream_draws_follow_seed_and_draw_and_can_be_wound_back():
     assert len({*first, *second, *draws(SeedStream(43))}) == 9
 
 
+def test_a_batch_of_repeated_rows_is_the_batch_of_their_params_repeated():
+    """``from_params(..., repeats=...)`` (a verification's 1 + k logits rows per request) reads each request's
+    parameters once and gives the batch that repeating them row by row gives."""
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=3), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.2, top_k=5, min_p=0.1, presence_penalty=0.5)]  # fmt: skip
+    streams, repeats = [SeedStream(3), None, None], [4, 1, 2]
+    rows = sum(repeats)
+    prompts, outputs = [[1, 2]] * rows, [[3], [3, 4], [5], [], [6], [], [6, 7]]
+    got = SamplingBatch.from_params(params, streams, prompts, outputs, repeats=repeats)
+    want = SamplingBatch.from_params([p for p, r in zip(params, repeats) for _ in range(r)],
+                                     [s for s, r in zip(streams, repeats) for _ in range(r)], prompts, outputs)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):  # fmt: skip
+        assert torch.equal(getattr(got, name), getattr(want, name)) and getattr(got, name).shape == (rows,), name
+    for name in ("streams", "num_logprobs", "all_greedy", "any_penalties", "any_top_k_top_p", "any_min_p"):
+        assert getattr(got, name) == getattr(want, name), name
+
+
 def test_seeded_sampling_is_independent_of_batch():
     steps, vocab = 40, 64
     target = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)

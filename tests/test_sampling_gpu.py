@@ -233,3 +233,5 @@ def test_keyed_draws_match_reference(width):
         assert out[rows].isfinite().all() and out[rows].min() >= 0
         untouched = [r for r in range(total) if r not in set(rows)]
         assert out[untouched].isnan().all()
+    with pytest.raises(ValueError, match="rows must be in"):  # the kernel would write past the tensor
+        keyed_draws_(torch.empty(2, width, device="cuda"), [2], [1], [1])

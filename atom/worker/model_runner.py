@@ -556,10 +556,11 @@ class ModelRunner:
         ``proposed``: their drafts on the device (``verify_rows``)."""
         positions = as_index(self._verified_positions(others, starts), self.device)
         logits = graph.logits[positions] if graph is not None else self.model.compute_logits(hidden[positions])
-        params, prompts, histories = [], [], []
+        params, repeats, prompts, histories = [], [], [], []
         for _, s, st in others:  # position j is sampled as if d1..dj were already outputs (penalties see them)
             k = len(s.draft_token_ids)
-            params += [st.sampling_params] * (k + 1)
+            params.append(st.sampling_params)
+            repeats.append(k + 1)
             prompt, outputs = st.penalty_tokens()
             prompts += [prompt] * (k + 1)
             if st.sampling_params.has_penalties:
@@ -567,7 +568,7 @@ class ModelRunner:
                 histories += [np.concatenate((outputs, drafts[:j])) for j in range(k + 1)]
             else:
                 histories += [outputs] * (k + 1)  # (nothing)
-        batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, device=self.device)
+        batch = SamplingBatch.from_params(params, [None] * len(params), prompts, histories, self.device, repeats)
         verdict = verify_rows(logits, batch, [s.draft_token_ids for _, s, _ in others],
                               [st.stream for _, _, st in others], proposed)
         return verdict, logits

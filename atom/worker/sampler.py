@@ -107,15 +107,25 @@ class SamplingBatch:
         prompt_token_ids: list[Sequence[int]],
         output_token_ids: list[Sequence[int]],
         device: torch.device | str = "cpu",
+        repeats: Sequence[int] | None = None,
     ) -> SamplingBatch:
+        """One row per entry of ``params`` and ``streams``; with ``repeats``, entry i stands for ``repeats[i]`` rows
+        back to back (a verified request's 1 + k logits rows: its parameters are read once, not once a row), and
+        ``prompt_token_ids`` and ``output_token_ids`` have one entry per row."""
         # Every column in one upload (each upload costs ~25 us of host time on a GPU). top_k travels as a
         # float: exact below 2**24, and anything above the vocabulary filters nothing either way. A greedy row's
         # temperature goes up as 0, which the samplers read as greedy (SamplingParams.greedy).
-        columns = upload([[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
-                          [min(max(p.top_k, 0), _TOP_K_EXACT) for p in params], [p.min_p for p in params],
-                          [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                          [p.repetition_penalty for p in params]], torch.float32, device)  # fmt: skip
-        temperature, top_p, top_k, min_p, presence, frequency, repetition = columns.view(7, len(params))
+        columns = [[0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+                   [min(max(p.top_k, 0), _TOP_K_EXACT) for p in params], [p.min_p for p in params],
+                   [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                   [p.repetition_penalty for p in params]]  # fmt: skip
+        num_logprobs = [p.logprobs for p in params]
+        if repeats is not None:
+            columns = np.repeat(np.asarray(columns, np.float32).reshape(7, len(params)), repeats, axis=1)
+            streams = [stream for stream, r in zip(streams, repeats) for _ in range(r)]
+            num_logprobs = [num for num, r in zip(num_logprobs, repeats) for _ in range(r)]
+        temperature, top_p, top_k, min_p, presence, frequency, repetition = upload(
+            columns, torch.float32, device).view(7, len(streams))  # fmt: skip
         return SamplingBatch(
             temperature=temperature,
             top_p=top_p,
@@ -127,7 +137,7 @@ class SamplingBatch:
             streams=list(streams),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
-            num_logprobs=[p.logprobs for p in params],
+            num_logprobs=num_logprobs,
             all_greedy=all(p.greedy for p in params),
             any_penalties=any(p.has_penalties for p in params),
             any_top_k_top_p=any(p.filters_top_k_top_p for p in params),

@@ -63,6 +63,8 @@ def keyed_draws_(draws: torch.Tensor, rows: Sequence[int], seeds: Sequence[int],
     (nothing to upload): 128 rows a launch. Returns ``draws``."""
     if draws.dim() != 2 or draws.dtype != torch.float32 or not len(rows) == len(seeds) == len(counters):
         raise ValueError("keyed_draws_: draws must be fp32 [R, width], and rows, seeds and counters alike")
+    if len(rows) and not (0 <= min(rows) and max(rows) < draws.shape[0]):
+        raise ValueError(f"keyed_draws_: rows must be in [0, {draws.shape[0]})")
     if not (kernels_apply(draws) and draws.stride(1) == 1):
         return keyed_draws_ref(draws, rows, seeds, counters)
     with device_guard(draws.device):
