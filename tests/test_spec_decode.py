@@ -150,7 +150,7 @@ def test_rows_with_penalties_and_logprobs_match_plain_decoding(kimi_mtp_ckpt, ma
 
 def test_seeded_sampled_rows_with_drafts_ignore_the_batch(kimi_mtp_ckpt, make_llm):
     """A seeded request that samples gets the same tokens through speculation whether it runs alone or beside
-    greedy, unseeded and other seeded requests: its verification draws only from its own generator."""
+    greedy, unseeded and other seeded requests: its verification draws are keyed by its own seed."""
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     runs = [p + t for p, t in zip(PROMPTS, _tokens(make_llm(kimi_mtp_ckpt).generate(_inputs(), GREEDY)))]
     # The small random model's top logits are ~0.005 apart: at these temperatures the sampled rows mostly follow
