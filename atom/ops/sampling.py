@@ -51,23 +51,25 @@ def keyed_draws_ref(draws: Tensor, rows: Sequence[int], seeds: Sequence[int], co
     if not rows:
         return draws
     keys = [_signed(mix64((seed + counter * GAMMA) & MASK64)) for seed, counter in zip(seeds, counters)]
-    index = torch.arange(1, draws.shape[1] + 1, dtype=torch.int64, device=draws.device)
-    z = _mix64_t(torch.tensor(keys, dtype=torch.int64, device=draws.device).unsqueeze(1) + index * _signed(GAMMA))
-    v = _shr(z, 11).double() * 2.0**-53
-    draws[torch.tensor(rows, dtype=torch.int64, device=draws.device)] = (-torch.log1p(-v)).float()
+    z = torch.arange(1, draws.shape[1] + 1, dtype=torch.int64, device=draws.device) * _signed(GAMMA)
+    z = z + torch.tensor(keys, dtype=torch.int64, device=draws.device).unsqueeze(1)
+    _mix64_(z)
+    z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)  # the top 53 bits (torch's shift is arithmetic)
+    index = torch.tensor(rows, dtype=torch.int64, device=draws.device)
+    draws[index] = z.double().mul_(-(2.0**-53)).log1p_().neg_().float()  # -log(1 - v)
     return draws
 
 
-def _mix64_t(z: Tensor) -> Tensor:
-    """``mix64`` on an int64 tensor (the products wrap mod 2^64, as the uint64 ones do)."""
-    z = (z ^ _shr(z, 30)) * _signed(_MIX[0])
-    z = (z ^ _shr(z, 27)) * _signed(_MIX[1])
-    return z ^ _shr(z, 31)
-
-
-def _shr(z: Tensor, s: int) -> Tensor:
-    """A logical right shift of int64 bits (torch's is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+def _mix64_(z: Tensor) -> Tensor:
+    """``mix64`` on an int64 tensor, in place (the products wrap mod 2^64, as the uint64 ones do; in place: the
+    CPU reference runs over [rows, vocabulary] every step a seeded request samples)."""
+    shifted = torch.empty_like(z)
+    for shift, multiplier in ((30, _MIX[0]), (27, _MIX[1]), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=shifted).bitwise_and_((1 << (64 - shift)) - 1)  # a logical shift
+        z.bitwise_xor_(shifted)
+        if multiplier is not None:
+            z.mul_(_signed(multiplier))
+    return z
 
 
 def _signed(x: int) -> int:
