@@ -9,7 +9,8 @@ extends by the new tokens each step (``CachedRequestState.token_array``), not
 converted whole from its lists every step (at 4000 tokens that copy alone took
 ~100 us a row, every step). Any match ends where the history's last token
 occurred before: one vector compare finds those places (most rows have none),
-and only they are grown back to longer matches.
+and only they are grown back to longer matches, unless the most recent one
+already matches at the longest n.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class NgramDrafter(Drafter):
         ends = np.flatnonzero(history[: end - 1] == history[end - 1])
         if not ends.size:
             return []
+        # The most recent place, if its match is already the longest possible, is the answer: in repetitive text
+        # (where drafts come from) it mostly is, and one compare replaces the growth below.
+        last = int(ends[-1])
+        suffix = history[end - longest :]
+        if last + 1 >= longest and history[last + 1 - longest : last + 1].tobytes() == suffix.tobytes():
+            return history[last + 1 : last + 1 + self.k].tolist()
         lengths, alive = np.ones(ends.size, np.int64), np.ones(ends.size, bool)
         for j in range(1, longest):
             alive &= (ends >= j) & (history[ends - j] == history[end - 1 - j])  # (ends - j < 0 wraps: masked)
